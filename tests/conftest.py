@@ -41,3 +41,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one CPU thread. Tiny models gain nothing from a second thread, and on a shared
+    2-core machine a busy second core makes every op wait for it (10x slower, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_hf_gpt2(seed=0, n_layer=2, n_head=3, n_embd=48, n_positions=40, vocab_size=97):
+    """transformers' GPT2LMHeadModel, the reference GPT-2, on a tiny config of odd sizes with every
+    weight random: eager attention, no dropout, no special tokens, in eval mode.
+
+    Hugging Face's init leaves layer-norm gains at 1 and every bias at 0, so a loader that swapped
+    or skipped them would still match; here they are random too. Weights are wider than GPT-2's
+    init so that greedy decoding does not collapse onto one repeated token at once.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions,
+                     vocab_size=vocab_size, activation_function="gelu_new", resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+                     attn_implementation="eager")
+    model = GPT2LMHeadModel(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
+            noise = torch.randn(p.shape, generator=gen)
+            if ".ln_" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif ".wte." in name or ".wpe." in name:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(0.2 * noise)
+    return model

@@ -1,0 +1,789 @@
+"""Stage 03: training the GPT, generating text, and loading GPT-2's real weights (chapters 7-9).
+
+What this stage teaches
+    7. Training: next-token cross-entropy, AdamW with warmup and cosine decay, gradient clipping,
+       evaluation on held-out text, and the numbers to watch (loss, tokens/s, MFU on a GPU,
+       where bf16 autocast and fused AdamW are used).
+    8. Generation: temperature, top-k and top-p (nucleus) sampling and an end-of-text stop, in
+       `generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, eos_id=None)`;
+       checkpoints saved and loaded with safetensors.
+    9. Real weights: `load_gpt2(path_or_size)` maps GPT-2's Hugging Face checkpoint onto our GPT
+       (a local directory with config.json + model.safetensors, or a size it downloads).
+
+New since stage 02: sections 7-9 and a `main()` that trains. Dropped: the from-scratch
+BPETokenizer (tiktoken's GPT-2 encoding takes over) and the attention warm-ups of chapter 5
+(the GPT keeps MultiHeadAttention).
+
+Run
+    python 03_train.py                          # tiny GPT on The Verdict, ~2 min on a 2-core CPU
+    python 03_train.py --model 124M --epochs 10 # the book's run (GPT-2 124M shape, context 256)
+    python 03_train.py --gpt2 124M --prompt "Every effort moves you"   # real weights
+    python 03_train.py --bench                  # training throughput (124M, T=1024 on a GPU)
+
+Training prints the train and validation loss as they fall, tokens/s (and MFU on a GPU), then
+a sample from the trained model.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+import tiktoken
+import tiktoken.load
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, Dataset
+
+# ----------------------------------------------------------------------------------------------
+# Data files: downloaded once into data/, checked by sha256
+# ----------------------------------------------------------------------------------------------
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
+DATA_FILES = {
+    "the-verdict.txt": (
+        "https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch02/"
+        "01_main-chapter-code/the-verdict.txt",
+        "b41e41a68f0398a3154ae69e2e4c0e2694e17fe0d66730536837f1b01935b31f",
+    ),
+    "gpt2.tiktoken": (
+        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
+        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+    ),
+}
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _server_sha256(response):
+    """The Hugging Face Hub names a large file's sha256 in the X-Linked-Etag header of the
+    redirect it answers with; use it when no checksum is pinned."""
+    for r in [*response.history, response]:
+        etag = r.headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"')
+        if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
+            return etag
+    return None
+
+
+def download(url, dest, sha256=None, timeout=30.0):
+    """Download `url` to `dest` unless it is already there; return the path.
+
+    The bytes go to `dest.part` first and are renamed into place only once complete and
+    checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
+    its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
+    when given, else the checksum the server names, else the announced size.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    # identity: a compressed body would not match Content-Length or resume at a byte offset
+    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    try:
+        response = requests.get(url, stream=True, timeout=timeout, headers=headers)
+        if have and response.status_code == 416:  # the .part is stale: start over
+            part.unlink()
+            return download(url, dest, sha256, timeout)
+        response.raise_for_status()
+    except requests.RequestException as e:
+        raise RuntimeError(
+            f"could not download {url}: {e}\n"
+            f"Without a network, place the file at {dest} yourself."
+        ) from e
+    if response.status_code != 206:  # the server ignored the Range header: start over
+        have = 0
+    sha256 = sha256 or _server_sha256(response)
+    remaining = int(response.headers.get("Content-Length", 0))
+    total = have + remaining if remaining else None
+    done, last_print, start = have, 0.0, time.time()
+    try:
+        with open(part, "ab" if have else "wb") as f:
+            for block in response.iter_content(chunk_size=1 << 20):
+                f.write(block)
+                done += len(block)
+                if time.time() - last_print > 0.5 or (total and done == total):
+                    last_print = time.time()
+                    rate = (done - have) / max(last_print - start, 1e-9) / 1e6
+                    of = f"/{total / 1e6:.1f}" if total else ""
+                    print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
+                          end="", file=sys.stderr, flush=True)
+    except requests.RequestException as e:
+        raise RuntimeError(
+            f"download of {url} was interrupted after {done} bytes ({e}); "
+            f"run again to resume from {part}"
+        ) from e
+    finally:
+        if done > have:
+            print(file=sys.stderr)  # end the progress line
+    if total is not None and done != total:
+        raise RuntimeError(f"download of {url} stopped at {done} of {total} bytes; "
+                           f"run again to resume from {part}")
+    if sha256 is not None and _sha256(part) != sha256:
+        part.unlink()
+        raise ValueError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
+                         f"the download was deleted")
+    os.replace(part, dest)  # atomic: the file appears complete or not at all
+    return dest
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file (see DATA_FILES), downloaded into the cache on first use."""
+    if name not in DATA_FILES:
+        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
+    url, sha256 = DATA_FILES[name]
+    return download(url, Path(data_dir or DATA_DIR) / name, sha256=sha256)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 4. Text as numbers
+# ----------------------------------------------------------------------------------------------
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOT_ID = 50256  # <|endoftext|>
+
+
+def gpt2_tokenizer(data_dir=None):
+    """GPT-2's tokenizer as a tiktoken Encoding, built from data/gpt2.tiktoken (no hidden download)."""
+    ranks = tiktoken.load.load_tiktoken_bpe(str(data_file("gpt2.tiktoken", data_dir)))
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT_ID})
+
+
+class GPTDataset(Dataset):
+    """Sliding windows over one long token stream: input ids[i:i+T], target ids[i+1:i+T+1]."""
+
+    def __init__(self, token_ids, context_length, stride):
+        if len(token_ids) < context_length + 1:
+            raise ValueError(f"need at least {context_length + 1} tokens for one window of "
+                             f"{context_length}, got {len(token_ids)}")
+        if stride < 1:
+            raise ValueError(f"stride must be positive, got {stride}")
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        starts = range(0, len(ids) - context_length, stride)
+        self.inputs = torch.stack([ids[i:i + context_length] for i in starts])            # (N, T)
+        self.targets = torch.stack([ids[i + 1:i + 1 + context_length] for i in starts])   # (N, T)
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, i):
+        return self.inputs[i], self.targets[i]
+
+
+def create_dataloader(token_ids, batch_size, context_length, stride=None, shuffle=True,
+                      drop_last=True, seed=0):
+    """Batches of (inputs, targets), each (B, T). stride defaults to T (no overlap)."""
+    dataset = GPTDataset(token_ids, context_length,
+                         context_length if stride is None else stride)
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                      generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 5. Attention
+# ----------------------------------------------------------------------------------------------
+
+class MultiHeadAttention(nn.Module):
+    """H causal heads computed at once: one projection to 3C, split into (B, H, T, D) heads.
+    This is the attention the GPT uses; its names follow GPT-2's checkpoints."""
+
+    def __init__(self, n_embd, n_head, context_length, dropout=0.0, bias=True):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # q, k, v for all heads
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)      # mixes the heads' outputs
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        mask = torch.ones(context_length, context_length, dtype=torch.bool).tril()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)                      # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))                                 # 3 x (B, H, T, D)
+        y = self.attend(q, k, v)                                       # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)               # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v):
+        """Causal attention with an explicit mask: materializes the (B, H, T, T) scores."""
+        T = q.size(2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))      # (B, H, T, T)
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        return self.attn_dropout(att) @ v                             # (B, H, T, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 6. The transformer block and GPT
+# ----------------------------------------------------------------------------------------------
+
+GPT2_SIZES = {  # name: (n_layer, n_head, n_embd), from the GPT-2 paper's table 2
+    "124M": (12, 12, 768),
+    "355M": (24, 16, 1024),
+    "774M": (36, 20, 1280),
+    "1558M": (48, 25, 1600),
+}
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257     # GPT-2's BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    context_length: int = 1024  # longest sequence; the position table has this many rows
+    n_embd: int = 768           # C, the width of the residual stream
+    n_head: int = 12            # H; each head has D = C // H dimensions
+    n_layer: int = 12
+    dropout: float = 0.0
+    bias: bool = True           # biases in the Linear layers (GPT-2 has them)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got "
+                                 f"{getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @classmethod
+    def gpt2(cls, size="124M", **overrides):
+        if size not in GPT2_SIZES:
+            raise ValueError(f"unknown GPT-2 size {size!r}; choose one of {list(GPT2_SIZES)}")
+        n_layer, n_head, n_embd = GPT2_SIZES[size]
+        return cls(**{"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, **overrides})
+
+
+class LayerNorm(nn.Module):
+    """Normalize each position's C features to mean 0 and variance 1, then scale and shift."""
+
+    def __init__(self, n_embd, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n_embd))
+        self.bias = nn.Parameter(torch.zeros(n_embd))
+
+    def forward(self, x):
+        mean = x.mean(dim=-1, keepdim=True)
+        var = x.var(dim=-1, keepdim=True, unbiased=False)  # biased, as GPT-2 was trained
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class GELU(nn.Module):
+    """GPT-2's GELU: the tanh approximation of x * Phi(x)."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd, dropout=0.0, bias=True):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)    # (B, T, C) -> (B, T, 4C)
+        self.act = GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)  # back to (B, T, C)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd)
+        self.attn = MultiHeadAttention(cfg.n_embd, cfg.n_head, cfg.context_length,
+                                       cfg.dropout, cfg.bias)
+        self.ln_2 = LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg.n_embd, cfg.dropout, cfg.bias)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)      # token embeddings
+        self.wpe = nn.Embedding(cfg.context_length, cfg.n_embd)  # learned absolute positions
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2: one (V, C) matrix
+        self.apply(self._init_weights)
+        # GPT-2 scales the init of the projections that write into the residual stream by
+        # 1/sqrt(2 * n_layer), so the stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding=False):
+        n = sum(p.numel() for p in self.parameters())  # the tied matrix is counted once
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx):
+        if idx.dim() != 2 or idx.dtype != torch.long:
+            raise ValueError(f"idx must be a (B, T) tensor of int64 token ids, "
+                             f"got {tuple(idx.shape)} {idx.dtype}")
+        B, T = idx.shape
+        if T > self.cfg.context_length:
+            raise ValueError(f"sequence length {T} exceeds the context length "
+                             f"{self.cfg.context_length}")
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{idx.min().item()}, {idx.max().item()}]")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))             # (B, T, V)
+
+
+@torch.no_grad()
+def generate_greedy(model, idx, max_new_tokens):
+    """Append the most likely next token max_new_tokens times. idx (B, T) -> (B, T + new)."""
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.context_length:])  # crop to what the model can see
+        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 7. Training
+# ----------------------------------------------------------------------------------------------
+
+def loss_fn(logits, targets):
+    """Mean next-token cross-entropy. logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def autocast(device):
+    """bf16 autocast on a GPU (matmuls in bf16, reductions in fp32); plain fp32 on the CPU."""
+    on_gpu = torch.device(device).type == "cuda"
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, max_batches=None):
+    """Mean loss over (at most max_batches of) a loader, with dropout off."""
+    was_training = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for x, y in loader:
+        if max_batches is not None and n >= max_batches:
+            break
+        with autocast(device):
+            total += loss_fn(model(x.to(device)), y.to(device)).item()
+        n += 1
+    model.train(was_training)
+    return total / max(n, 1)
+
+
+def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio=0.1):
+    """Linear warmup to max_lr, then cosine decay to min_lr_ratio * max_lr at total_steps."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return max_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model, lr, weight_decay, device):
+    """AdamW with weight decay on the matrices only (decaying biases and norm gains only hurts).
+    On a GPU the fused implementation updates every parameter in one kernel launch."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = torch.device(device).type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)
+
+
+def flops_per_token(model, T):
+    """Training FLOPs per token: 6 per weight (2 forward, 4 backward) plus 12 * n_layer * C * T
+    for attention's scores and weighted sum (the count of the PaLM paper, appendix B)."""
+    cfg = model.cfg
+    return 6 * model.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * T
+
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets, for MFU.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+
+
+def peak_flops(device):
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    lr: float = 1e-3            # peak learning rate, reached after warmup
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    grad_clip: float = 1.0      # max global gradient norm
+    eval_every: int = 10        # steps between validation evaluations
+    eval_batches: int = 10      # validation batches per evaluation (None: all)
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.lr <= 0 or self.eval_every < 1 or self.warmup_steps < 0:
+            raise ValueError(f"bad TrainConfig: {self}")
+
+
+def train(model, train_loader, val_loader, tcfg, device, log=print):
+    """Train for tcfg.epochs; log and record (step, train loss, val loss) every eval_every steps.
+    Returns the history as a list of dicts."""
+    opt = make_optimizer(model, tcfg.lr, tcfg.weight_decay, device)
+    total_steps = tcfg.epochs * len(train_loader)
+    peak = peak_flops(device)
+    history, step, window_loss, window_steps = [], 0, 0.0, 0
+    t_last, tokens_last = time.time(), 0
+    val = evaluate(model, val_loader, device, tcfg.eval_batches)
+    log(f"step {0:>5}/{total_steps} | val loss {val:.3f} (untrained)")
+    history.append({"step": 0, "train_loss": None, "val_loss": val})
+    model.train()
+    for epoch in range(tcfg.epochs):
+        for x, y in train_loader:
+            lr = lr_at(step, tcfg.lr, tcfg.warmup_steps, total_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device):
+                loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            opt.step()
+            step += 1
+            tokens_last += x.numel()
+            window_loss += loss.detach()  # stays on the device: no host sync per step
+            window_steps += 1
+            if step % tcfg.eval_every == 0 or step == total_steps:
+                train_loss = (window_loss / window_steps).item()
+                val = evaluate(model, val_loader, device, tcfg.eval_batches)
+                dt = time.time() - t_last
+                tok_s = tokens_last / dt
+                mfu = (f" | MFU {flops_per_token(model, x.size(1)) * tok_s / peak:.1%}"
+                       if peak else "")
+                log(f"step {step:>5}/{total_steps} | epoch {epoch + 1} | train loss "
+                    f"{train_loss:.3f} | val loss {val:.3f} | lr {lr:.2e} | "
+                    f"{tok_s:,.0f} tok/s{mfu}")
+                history.append({"step": step, "train_loss": train_loss, "val_loss": val})
+                window_loss, window_steps, tokens_last, t_last = 0.0, 0, 0, time.time()
+    return history
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 8. Generation
+# ----------------------------------------------------------------------------------------------
+
+def filter_logits(logits, top_k=None, top_p=None):
+    """Set to -inf every logit that top-k and then top-p rule out. logits (B, V).
+
+    top_k keeps the k largest. top_p keeps the smallest set of most likely tokens whose
+    probabilities add up to at least top_p (the most likely token always survives).
+    """
+    if top_k is not None:
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if top_p is not None and top_p < 1.0:  # 1.0 keeps all (a float32 cumsum may reach 1 early)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)   # (B, V)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, eos_id=None,
+             generator=None):
+    """Extend idx (B, T) by up to max_new_tokens tokens. temperature 0 is greedy; otherwise
+    sample from softmax(logits / temperature) after top-k / top-p filtering. With eos_id, a
+    sequence that produced it keeps producing it, and the loop stops once all have."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.context_length:])[:, -1, :].float()  # (B, V)
+        if temperature == 0.0:
+            next_id = logits.argmax(dim=-1, keepdim=True)                      # (B, 1)
+        else:
+            probs = filter_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
+            next_id = torch.multinomial(probs, 1, generator=generator)
+        if eos_id is not None:
+            next_id = next_id.masked_fill(done[:, None], eos_id)
+            done |= next_id[:, 0] == eos_id
+        idx = torch.cat([idx, next_id], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    return idx
+
+
+def save_checkpoint(model, path):
+    """Weights and config in one safetensors file. The tied lm_head is stored once (as wte)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}
+    save_file(state, str(path), metadata={"config": json.dumps(asdict(model.cfg))})
+
+
+def load_state(model, state, source):
+    """Copy `state` into model, naming any tensor that is missing, unexpected or misshapen."""
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                             f"config expects {tuple(expected[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            expected[name].copy_(tensor)
+    return model
+
+
+def load_checkpoint(path, device="cpu"):
+    """Rebuild a GPT saved by save_checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = f.metadata() or {}
+        if "config" not in meta:
+            raise ValueError(f"{path} has no GPT config in its metadata; was it written by "
+                             f"save_checkpoint?")
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    model = GPT(GPTConfig(**json.loads(meta["config"]))).to(device)
+    return load_state(model, state, str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 9. Real weights: GPT-2 from the Hugging Face layout
+# ----------------------------------------------------------------------------------------------
+
+GPT2_REPOS = {"124M": "openai-community/gpt2", "355M": "openai-community/gpt2-medium",
+              "774M": "openai-community/gpt2-large", "1558M": "openai-community/gpt2-xl"}
+HF_URL = "https://huggingface.co/{repo}/resolve/main/{file}"
+
+
+def download_gpt2(size, data_dir=None):
+    """Fetch config.json and model.safetensors of a GPT-2 size into data/gpt2-<size>/."""
+    folder = Path(data_dir or DATA_DIR) / f"gpt2-{size}"
+    for file in ("config.json", "model.safetensors"):
+        download(HF_URL.format(repo=GPT2_REPOS[size], file=file), folder / file)
+    return folder
+
+
+def load_gpt2(path_or_size, device="cpu", data_dir=None):
+    """GPT-2 weights from a directory holding config.json + model.safetensors (the Hugging Face
+    layout), or from a size name ("124M", "355M", "774M", "1558M"), downloaded on first use."""
+    if str(path_or_size) in GPT2_REPOS:
+        folder = download_gpt2(str(path_or_size), data_dir)
+    else:
+        folder = Path(path_or_size)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} is neither a GPT-2 size {list(GPT2_REPOS)} nor a "
+                                    f"directory with config.json and model.safetensors")
+    for file in ("config.json", "model.safetensors"):
+        if not (folder / file).is_file():
+            raise FileNotFoundError(f"{folder / file} is missing")
+    hf = json.loads((folder / "config.json").read_text())
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"unsupported activation {hf['activation_function']!r}: this GPT "
+                         f"uses GELU's tanh form")
+    if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
+        raise ValueError(f"unsupported layer_norm_epsilon {hf['layer_norm_epsilon']}")
+    cfg = GPTConfig(vocab_size=hf["vocab_size"], context_length=hf["n_positions"],
+                    n_embd=hf["n_embd"], n_head=hf["n_head"], n_layer=hf["n_layer"])
+    state = {}
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            name = key.removeprefix("transformer.")  # newer saves nest the body one level down
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+                continue  # old causal-mask buffers; the head is tied to wte
+            tensor = f.get_tensor(key)
+            # GPT-2's Conv1D layers store their weights as (in, out); nn.Linear wants (out, in).
+            if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+                tensor = tensor.t()
+            state[name] = tensor
+    model = load_state(GPT(cfg), state, str(folder / "model.safetensors"))
+    return model.to(device).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Putting it together
+# ----------------------------------------------------------------------------------------------
+
+# Model shapes and training defaults. "tiny" shows a clearly falling loss on a laptop CPU in
+# about two minutes; the GPT-2 sizes use the book's settings (context 256, batch 2, lr 4e-4).
+TRAIN_PRESETS = {
+    "tiny": dict(model=dict(n_layer=4, n_head=4, n_embd=256), context_length=128, batch_size=8,
+                 epochs=25, lr=1e-3, dropout=0.0),
+    **{size: dict(model={}, context_length=256, batch_size=2, epochs=10, lr=4e-4, dropout=0.1)
+       for size in GPT2_SIZES},
+}
+
+
+def build_config(preset, context_length, dropout):
+    if preset == "tiny":
+        return GPTConfig(context_length=context_length, dropout=dropout,
+                         **TRAIN_PRESETS["tiny"]["model"])
+    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout)
+
+
+def bench(args, device):
+    """Training throughput on random tokens: eager and torch.compile, same model and batch."""
+    T = args.context_length or (1024 if device.type == "cuda" else 128)
+    B = args.batch_size or (16 if device.type == "cuda" else 4)
+    preset = args.model or ("124M" if device.type == "cuda" else "tiny")
+    steps = args.bench_steps
+    peak = peak_flops(device)
+    print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
+          f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
+    rows = []
+    for compiled in (False, True):
+        torch.manual_seed(args.seed)
+        model = GPT(build_config(preset, T, 0.0)).to(device)
+        step_model = torch.compile(model) if compiled else model
+        opt = make_optimizer(model, 1e-4, 0.1, device)
+        x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), device=device)
+
+        def one_step():
+            with autocast(device):
+                loss = loss_fn(step_model(x[:, :-1]), x[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss
+
+        for _ in range(3):  # warm-up: compilation, allocator, cuBLAS heuristics
+            one_step()
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = one_step()
+        sync()
+        tok_s = B * T * steps / (time.perf_counter() - t0)
+        mfu = flops_per_token(model, T) * tok_s / peak if peak else None
+        rows.append(("torch.compile" if compiled else "eager", tok_s, mfu, loss.item()))
+        del model, step_model, opt
+    print(f"{'mode':<14}{'tokens/s':>12}{'MFU':>8}{'loss':>8}")
+    for mode, tok_s, mfu, loss in rows:
+        print(f"{mode:<14}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=list(TRAIN_PRESETS),
+                        help="model shape (default: tiny; --bench on a GPU: 124M)")
+    parser.add_argument("--epochs", type=int, help="default: the preset's")
+    parser.add_argument("--batch-size", type=int, help="default: the preset's")
+    parser.add_argument("--context-length", type=int, help="default: the preset's")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--save", help="write the trained model to this .safetensors file")
+    parser.add_argument("--load", help="generate from a checkpoint instead of training")
+    parser.add_argument("--gpt2", choices=list(GPT2_REPOS), metavar="SIZE",
+                        help="generate with GPT-2's real weights (124M, 355M, 774M, 1558M)")
+    parser.add_argument("--gpt2-dir", help="generate with GPT-2 weights from this HF directory")
+    parser.add_argument("--prompt", default="Every effort moves you")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--bench", action="store_true", help="measure training throughput")
+    parser.add_argument("--bench-steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
+    parser.add_argument("--seed", type=int, default=123)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left over
+    torch.manual_seed(args.seed)
+    if args.bench:
+        return bench(args, device)
+    tokenizer = gpt2_tokenizer(args.data_dir)
+
+    if args.gpt2 or args.gpt2_dir or args.load:
+        if args.load:
+            model = load_checkpoint(args.load, device).eval()
+        else:
+            model = load_gpt2(args.gpt2 or args.gpt2_dir, device, args.data_dir)
+        print(f"loaded {model.num_params() / 1e6:.0f}M parameters")
+    else:
+        name = args.model or "tiny"
+        preset = TRAIN_PRESETS[name]
+        T = args.context_length or preset["context_length"]
+        model = GPT(build_config(name, T, preset["dropout"])).to(device)
+        text = data_file("the-verdict.txt", args.data_dir).read_text(encoding="utf-8")
+        ids = tokenizer.encode(text)
+        split = int(0.9 * len(ids))
+        B = args.batch_size or preset["batch_size"]
+        train_loader = create_dataloader(ids[:split], B, T, seed=args.seed)
+        val_loader = create_dataloader(ids[split:], B, T, shuffle=False, drop_last=False)
+        tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"],
+                           eval_every=args.eval_every)
+        print(f"training GPT ({model.num_params() / 1e6:.1f}M parameters, {model.cfg}) on "
+              f"The Verdict: {split:,} train / {len(ids) - split:,} val tokens, "
+              f"{len(train_loader)} steps per epoch, {tcfg.epochs} epochs, on {device}")
+        step_model = torch.compile(model) if args.compile else model
+        train(step_model, train_loader, val_loader, tcfg, device)
+        if args.save:
+            save_checkpoint(model, args.save)
+            print(f"saved {args.save}")
+        model.eval()
+
+    idx = torch.tensor([tokenizer.encode(args.prompt)], device=device)
+    out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   eos_id=EOT_ID)
+    print(f"\n{tokenizer.decode(out[0].tolist())}")
+
+
+if __name__ == "__main__":
+    main()

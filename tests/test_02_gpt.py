@@ -1,0 +1,629 @@
+"""Stage 02: the BPE tokenizer against tiktoken, the data loader against plain slicing, attention
+and the GPT's layers against torch in float64, the GPT against transformers' GPT-2, the download
+helper against a local HTTP server, and the script end to end. All on the CPU, in seconds.
+
+Tolerances: float64 against float64 differs only in the order of operations (1e-12); the GPT
+against transformers runs in float32 on both sides (1e-5 on logits of size ~1).
+"""
+import collections
+import gzip
+import hashlib
+import http.server
+import random
+import re
+import socket
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+import torch.nn.functional as F
+from tiktoken.load import load_tiktoken_bpe
+
+from conftest import load_stage, tiny_hf_gpt2
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOT = "<|endoftext|>"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def stage():
+    return load_stage("02_gpt")
+
+
+# -- chapter 4: the BPE tokenizer against tiktoken -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(stage):
+    """tiktoken's GPT-2 encoding (r50k_base), built here from the local ranks file: no network."""
+    ranks = load_tiktoken_bpe(str(stage.data_file("gpt2.tiktoken")))
+    return tiktoken.Encoding(name="gpt2_ref", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOT: 50256})
+
+
+@pytest.fixture(scope="module")
+def gpt2(stage):
+    return stage.BPETokenizer.gpt2(stage.data_file("gpt2.tiktoken"))
+
+
+@pytest.fixture(scope="module")
+def verdict(stage):
+    return stage.data_file("the-verdict.txt").read_text(encoding="utf-8")
+
+
+def assert_same_as_tiktoken(tok, ref, text):
+    """Same ids with special tokens allowed, and with them read as plain text."""
+    assert tok.encode(text, allowed_special="all") == ref.encode(text, allowed_special="all"), text
+    assert tok.encode(text, disallowed_special=()) == ref.encode(text, disallowed_special=()), text
+
+
+HARD_STRINGS = [
+    "", " ", "  ", "a   b", "   leading", "trailing   ", "\t\t", "\t x", "\n\n\n", "\n\n  x",
+    "x \n y", " \n", "a\u00a0b", "a \u00a0 b", "\u3000x\u3000\u3000y", "a\u2028b\u2029c", "\r\n",
+    "\x1c\x1d\x1e\x1f a\x1fb", "\x85x \x85 x", "\u200b zero width", "\x0b\x0c form feed",
+    "I'm you'll they've she'd we're it's don't", "'S uppercase 'LL 'Re", "''s '' 's's", " 's",
+    "12345 3.14159 1,000,000", "x1 1x 2024-01-01 0.5e-3", "\u0663\u0664 \u00b2\u00bd \u216b \u4e00",
+    "👍🏽 family 👨\u200d👩\u200d👧", "flags 🇺🇸🇫🇷", "中文分词测试", "مرحبا بالعالم", "नमस्ते",
+    "e\u0301 café cafe\u0301", "ß ẞ ﬁ", "日本語のテキスト、句読点。", "한국어 텍스트",
+    f"hello{EOT}world", f" {EOT} ", f"{EOT}{EOT}", f"<|endoftext|{EOT}|>", "<|endoftext",
+    "def f(x):\n    return x**2  # square\n", "<html>&amp;\"quoted\"</html>", "a--b...c!!!?",
+    "new in Unicode 15-16: \u1c89\u1c8a x\U00031350y \U00010d40\U00010d41 a\U00010d4ab",
+    "surrogate pair \ud83d\ude00 and lone \ud800 half",
+]
+
+
+def test_char_classes_match_tiktoken(stage):
+    """Every code point: our letter / number / white-space classes equal what tiktoken's regex
+    engine matches for \\p{L}, \\p{N}, \\s (a pattern's unmatched text is dropped, so encoding all
+    code points with only-bytes ranks and decoding returns exactly the matched characters)."""
+    everything = "".join(chr(cp) for cp in range(0x110000) if not 0xD800 <= cp <= 0xDFFF)
+    byte_ranks = {bytes([b]): b for b in range(256)}
+    for body, tk_class in zip(stage._unicode_classes(), (r"\p{L}", r"\p{N}", r"\s")):
+        probe = tiktoken.Encoding(name="probe", pat_str=tk_class, mergeable_ranks=byte_ranks,
+                                  special_tokens={})
+        expected = probe.decode(probe.encode_ordinary(everything))
+        assert "".join(re.findall(f"[{body}]", everything)) == expected, tk_class
+
+
+def test_gpt2_vocab(gpt2, reference):
+    assert gpt2.n_vocab == reference.n_vocab == 50257
+    assert all(gpt2.decode_bytes([i]) == reference.decode_single_token_bytes(i)
+               for i in range(0, 50257, 97))
+
+
+def test_verdict_matches_tiktoken(gpt2, reference, verdict):
+    ids = gpt2.encode(verdict)
+    assert ids == reference.encode(verdict)
+    assert gpt2.decode(ids) == verdict
+
+
+@pytest.mark.parametrize("text", HARD_STRINGS)
+def test_hard_strings_match_tiktoken(gpt2, reference, text):
+    assert_same_as_tiktoken(gpt2, reference, text)
+    if "\ud800" not in text and "\ud83d" not in text:  # surrogates cannot survive a round trip
+        assert gpt2.decode(gpt2.encode(text, allowed_special="all")) == text
+
+
+def test_random_strings_match_tiktoken(gpt2, reference):
+    pieces = (list("abcXYZ019 '.,!?-_\n\t") + ["   ", "\n\n", " \n ", "'s", "'ll", "'VE", "'d"]
+              + list("\u00e9\u00df\u4e2d\u0639\u0301\u00a0\u3000\u2028\x1c\x85\u00b2\u216b\u0663")
+              + ["\U0001f44d", "\U0001f3fd", "\u200d", EOT, "\U00031350", "\U00010d40"])
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+        assert_same_as_tiktoken(gpt2, reference, text)
+
+
+def test_random_code_points_match_tiktoken(gpt2, reference):
+    """A broad sample of the whole code space (assigned or not), between ASCII words and spaces."""
+    rng = random.Random(1)
+    for _ in range(200):
+        limits = [rng.choice((0x3400, 0x30000, 0x110000)) for _ in range(rng.randint(1, 12))]
+        chars = [chr(rng.randrange(limit)) for limit in limits]  # lone surrogates included
+        text = "".join(c + rng.choice(("", "a", " ", "1", "!", " b")) for c in chars)
+        assert_same_as_tiktoken(gpt2, reference, text)
+
+
+def test_special_token_rules_match_tiktoken(gpt2, reference):
+    text = f"a{EOT}b"
+    for enc in (gpt2, reference):  # by default a special token in the text is an error
+        with pytest.raises(ValueError):
+            enc.encode(text)
+    assert gpt2.encode(text, allowed_special={EOT}) == reference.encode(text, allowed_special={EOT})
+    assert 50256 in gpt2.encode(text, allowed_special={EOT})
+    assert 50256 not in gpt2.encode(text, disallowed_special=())
+    assert gpt2.encode_ordinary(text) == reference.encode_ordinary(text)
+
+
+def test_bpe_bad_input(stage, gpt2, tmp_path):
+    with pytest.raises(TypeError):
+        gpt2.encode(b"bytes")
+    with pytest.raises(TypeError):
+        gpt2.encode("x", allowed_special=EOT)
+    with pytest.raises(ValueError, match="unknown special"):
+        gpt2.encode("x", allowed_special={"<|im_start|>"})
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        gpt2.decode([50257])
+    with pytest.raises(FileNotFoundError):
+        stage.BPETokenizer.gpt2(tmp_path / "missing.tiktoken")
+    with pytest.raises(ValueError, match="single bytes"):
+        stage.BPETokenizer({b"a": 0})
+    with pytest.raises(ValueError, match="special token ids"):
+        stage.BPETokenizer(gpt2.ranks, {EOT: 50255})
+    with pytest.raises(ValueError, match="vocab_size"):
+        stage.BPETokenizer.train("abc", 256)
+    with pytest.raises(ValueError, match="too short"):
+        stage.BPETokenizer.train("ab ab", 300)
+
+
+@pytest.fixture(scope="module")
+def trained(stage, verdict):
+    return stage.BPETokenizer.train(verdict, vocab_size=400)
+
+
+def test_train_vocab_and_round_trip(trained, verdict):
+    assert trained.n_vocab == 400 and len(trained.ranks) == 399  # 256 bytes + 143 merges + EOT
+    assert trained.special_tokens == {EOT: 399}
+    ids = trained.encode(verdict)
+    assert trained.decode(ids) == verdict
+    assert len(verdict.encode("utf-8")) / len(ids) > 1.8  # raw bytes are 1.0
+    for text in HARD_STRINGS[:-1]:  # the last one holds surrogates
+        assert trained.decode(trained.encode(text, allowed_special="all")) == text
+
+
+def ascii_chunks(text):
+    """GPT-2's pre-tokenizer for plain ASCII text, where \\p{L} is [A-Za-z] and \\p{N} is [0-9]."""
+    assert all(c.isascii() and (c.isprintable() or c in "\n\t") for c in text)
+    pattern = r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"
+    return re.findall(pattern, text)
+
+
+def test_train_matches_brute_force(trained, verdict):
+    """The first 40 merges equal a brute-force trainer that recounts every adjacent pair in every
+    chunk occurrence before each merge (ties to the smaller pair of ids, as documented)."""
+    words = [list(chunk.encode()) for chunk in ascii_chunks(verdict)]
+    first = collections.Counter(p for w in words for p in zip(w, w[1:])).most_common(2)
+    assert first[0][1] > first[1][1]  # a unique winner, so the first check needs no tie rule
+    assert trained.decode_bytes([256]) == bytes(first[0][0])
+    for new_id in range(256, 296):
+        counts = collections.Counter(p for w in words for p in zip(w, w[1:]))
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        assert trained.decode_bytes([new_id]) == trained.decode_bytes(pair)
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == pair:
+                    w[i:i + 2] = [new_id]
+                i += 1
+
+
+def test_gpt2_tokenizer_is_tiktokens_gpt2(stage, reference, verdict):
+    enc = stage.gpt2_tokenizer()
+    assert enc.n_vocab == reference.n_vocab == 50257 and enc.eot_token == 50256
+    assert enc.encode(verdict) == reference.encode(verdict)
+    for text in HARD_STRINGS:
+        assert_same_as_tiktoken(enc, reference, text)
+    assert enc.encode("Hello, world!") == [15496, 11, 995, 0]  # GPT-2's well-known ids
+
+
+# -- chapter 4: the sliding-window dataset ------------------------------------------------------
+
+@pytest.mark.parametrize("n, T, stride", [(103, 7, 7), (103, 7, 3), (103, 7, 10), (8, 7, 1),
+                                          (50, 1, 4)])
+def test_dataset_windows_are_shifted_slices(stage, n, T, stride):
+    ids = random.Random(n + T + stride).choices(range(50257), k=n)
+    dataset = stage.GPTDataset(ids, T, stride)
+    starts = [i for i in range(0, n, stride) if i + T + 1 <= n]  # every window whose target fits
+    assert len(dataset) == len(starts)
+    for k, i in enumerate(starts):
+        x, y = dataset[k]
+        assert x.dtype == y.dtype == torch.long
+        assert x.tolist() == ids[i:i + T] and y.tolist() == ids[i + 1:i + T + 1]
+
+
+def test_dataloader_batches_in_order_and_shuffled(stage):
+    ids = list(range(1000, 1077))  # distinct, so a window is known by its first id
+    T, B = 5, 4
+    windows = [ids[i:i + T] for i in range(0, len(ids), T) if i + T + 1 <= len(ids)]  # 15
+    batches = list(stage.create_dataloader(ids, B, T, shuffle=False))  # stride defaults to T
+    assert len(batches) == len(windows) // B  # drop_last
+    for b, (x, y) in enumerate(batches):
+        assert x.shape == y.shape == (B, T)
+        assert x.tolist() == windows[b * B:(b + 1) * B]
+        assert torch.equal(y, x + 1)  # consecutive ids: the target is the next id
+    kept = list(stage.create_dataloader(ids, B, T, shuffle=False, drop_last=False))
+    assert sum(len(x) for x, _ in kept) == len(windows)
+
+    def order(seed):
+        loader = stage.create_dataloader(ids, B, T, shuffle=True, seed=seed)
+        return [row[0] for x, _ in loader for row in x.tolist()]
+
+    assert order(3) == order(3) != order(4)
+    assert len(set(order(3))) == len(order(3)) == 12 and set(order(3)) <= {w[0] for w in windows}
+
+
+def test_dataset_rejects_bad_input(stage):
+    with pytest.raises(ValueError, match="at least 8 tokens"):
+        stage.GPTDataset(list(range(7)), 7, 1)
+    with pytest.raises(ValueError, match="at least 8 tokens"):
+        stage.create_dataloader(list(range(7)), 2, 7)
+    with pytest.raises(ValueError, match="stride"):
+        stage.GPTDataset(list(range(20)), 7, 0)
+    with pytest.raises(ValueError, match="stride"):
+        stage.create_dataloader(list(range(20)), 2, 7, stride=0)  # 0 is an error, not "default"
+
+
+# -- chapter 5: attention -----------------------------------------------------------------------
+
+def test_simple_self_attention_by_hand(stage):
+    x = np.random.default_rng(0).standard_normal((6, 5))
+    out = np.zeros_like(x)
+    for i in range(6):
+        w = np.array([np.exp(x[i] @ x[j]) for j in range(6)])
+        out[i] = sum(w[j] / w.sum() * x[j] for j in range(6))
+    np.testing.assert_allclose(stage.simple_self_attention(torch.tensor(x)).numpy(), out,
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_by_hand(stage, causal):
+    torch.manual_seed(0)
+    B, T, C, D = 2, 7, 5, 3
+    att = (stage.CausalAttention(C, D, context_length=T + 4) if causal
+           else stage.SelfAttention(C, D)).double()
+    x = torch.randn(B, T, C, dtype=torch.float64)
+    q, k, v = (x @ W.weight.T for W in (att.W_query, att.W_key, att.W_value))
+    expected = torch.zeros(B, T, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            seen = t + 1 if causal else T
+            w = torch.softmax(q[b, t] @ k[b, :seen].T / D ** 0.5, dim=0)
+            expected[b, t] = w @ v[b, :seen]
+    torch.testing.assert_close(att(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_causal_attention_weights_vanish_above_the_diagonal(stage):
+    """With one-hot inputs and an identity value projection the output *is* the weight matrix."""
+    torch.manual_seed(1)
+    T = 6
+    att = stage.CausalAttention(T, T, context_length=T + 3).double()
+    with torch.no_grad():
+        att.W_value.weight.copy_(torch.eye(T))
+    weights = att(torch.eye(T, dtype=torch.float64)[None])[0]  # (T, T)
+    assert torch.equal(weights.triu(1), torch.zeros(T, T, dtype=torch.float64))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(T, dtype=torch.float64))
+    assert (weights[torch.ones(T, T, dtype=torch.bool).tril()] > 0).all()
+
+
+def test_causal_attention_ignores_later_tokens(stage):
+    torch.manual_seed(2)
+    att = stage.CausalAttention(5, 4, context_length=11)
+    x = torch.randn(3, 11, 5)
+    out = att(x)
+    for t in (0, 4, 9):
+        changed = x.clone()
+        changed[:, t + 1:] = torch.randn_like(changed[:, t + 1:])
+        out2 = att(changed)
+        assert torch.equal(out2[:, :t + 1], out[:, :t + 1])
+        assert not torch.allclose(out2[:, t + 1:], out[:, t + 1:])
+
+
+@pytest.mark.parametrize("B, H, T, D", [(3, 5, 13, 7), (1, 1, 1, 4), (2, 3, 29, 16)])
+def test_multi_head_attend_matches_sdpa(stage, B, H, T, D):
+    mha = stage.MultiHeadAttention(H * D, H, context_length=T + 4)
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(mha.attend(q, k, v), expected, rtol=1e-12, atol=1e-12)
+
+
+# -- chapter 6: layers and the GPT --------------------------------------------------------------
+
+def test_layer_norm_matches_torch(stage):
+    torch.manual_seed(3)
+    ln = stage.LayerNorm(33).double()
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    x = torch.randn(3, 7, 33, dtype=torch.float64) * 3 + 1
+    expected = F.layer_norm(x, (33,), ln.weight, ln.bias, eps=1e-5)
+    torch.testing.assert_close(ln(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_gelu_is_torchs_tanh_gelu(stage):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-12, 12, 2001, dtype=torch.float64),
+                   torch.randn(999, dtype=torch.float64, generator=gen)])
+    ours = stage.GELU()(x)
+    torch.testing.assert_close(ours, F.gelu(x, approximate="tanh"), rtol=1e-12, atol=1e-12)
+    assert (ours - F.gelu(x)).abs().max() > 1e-4  # the tolerance tells the tanh form from erf's
+
+
+def copy_hf_weights(model, hf):
+    """Our GPT's weights from transformers' GPT2LMHeadModel, module by module. HF's Conv1D layers
+    store a weight as (in, out), nn.Linear as (out, in): hence the transposes."""
+    t = hf.transformer
+    pairs = [(model.wte.weight, t.wte.weight), (model.wpe.weight, t.wpe.weight),
+             (model.ln_f.weight, t.ln_f.weight), (model.ln_f.bias, t.ln_f.bias)]
+    for ours, ref in zip(model.h, t.h, strict=True):
+        for a, b in ((ours.ln_1, ref.ln_1), (ours.ln_2, ref.ln_2)):
+            pairs += [(a.weight, b.weight), (a.bias, b.bias)]
+        for a, b in ((ours.attn.c_attn, ref.attn.c_attn), (ours.attn.c_proj, ref.attn.c_proj),
+                     (ours.mlp.c_fc, ref.mlp.c_fc), (ours.mlp.c_proj, ref.mlp.c_proj)):
+            pairs += [(a.weight, b.weight.T), (a.bias, b.bias)]
+    assert len(pairs) == len(list(model.parameters()))  # each written once; lm_head is wte
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_gpt2(seed=0)
+
+
+@pytest.fixture(scope="module")
+def ours(stage, hf):
+    c = hf.config
+    cfg = stage.GPTConfig(vocab_size=c.vocab_size, context_length=c.n_positions, n_embd=c.n_embd,
+                          n_head=c.n_head, n_layer=c.n_layer)
+    return copy_hf_weights(stage.GPT(cfg), hf).eval()
+
+
+@pytest.mark.parametrize("B, T", [(3, 37), (1, 1), (2, 40)])
+@torch.no_grad()
+def test_gpt_matches_transformers(hf, ours, B, T):
+    ids = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(T))
+    expected = hf(ids).logits
+    assert expected.std() > 0.3  # logits of size ~1, not a near-constant
+    torch.testing.assert_close(ours(ids), expected, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_gpt_ignores_later_tokens(ours):
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(5))
+    logits = ours(ids)
+    changed = ids.clone()
+    changed[:, 12:] = (changed[:, 12:] + 1) % 97
+    logits2 = ours(changed)
+    torch.testing.assert_close(logits2[:, :12], logits[:, :12], rtol=0, atol=1e-6)
+    assert (logits2[:, 12:] - logits[:, 12:]).abs().max() > 0.1
+
+
+GPT2_SHAPES = {  # (n_layer, n_head, n_embd, parameters with the head tied to wte)
+    "124M": (12, 12, 768, 124_439_808), "355M": (24, 16, 1024, 354_823_168),
+    "774M": (36, 20, 1280, 774_030_080), "1558M": (48, 25, 1600, 1_557_611_200),
+}
+
+
+@pytest.mark.parametrize("size", GPT2_SHAPES)
+def test_gpt2_presets_have_known_parameter_counts(stage, size):
+    n_layer, n_head, n_embd, n_params = GPT2_SHAPES[size]
+    cfg = stage.GPTConfig.gpt2(size)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.context_length) == (
+        n_layer, n_head, n_embd, 50257, 1024)
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        model = stage.GPT(cfg)
+    assert model.lm_head.weight is model.wte.weight
+    assert model.num_params() == n_params
+    assert model.num_params(non_embedding=True) == n_params - 1024 * n_embd
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.zeros(1, 41, dtype=torch.long), "sequence length 41 exceeds the context length 40"),
+    (torch.tensor([[0, 97]]), r"\[0, 97\)"),
+    (torch.tensor([[-1, 5]]), r"\[0, 97\)"),
+    (torch.zeros(1, 5, dtype=torch.int32), "int64"),
+    (torch.zeros(1, 5), "int64"),
+    (torch.zeros(5, dtype=torch.long), r"\(B, T\)"),
+])
+def test_gpt_rejects_bad_input(ours, ids, message):
+    with pytest.raises(ValueError, match=message):
+        ours(ids)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda s: s.GPTConfig(n_embd=50, n_head=4), "divisible"),
+    (lambda s: s.GPTConfig.gpt2("7B"), "unknown GPT-2 size"),
+    (lambda s: s.GPTConfig(n_layer=0), "n_layer"),
+    (lambda s: s.GPTConfig(vocab_size=100.0), "vocab_size"),
+    (lambda s: s.GPTConfig(dropout=1.0), "dropout"),
+    (lambda s: s.MultiHeadAttention(10, 3, 8), "divisible"),
+])
+def test_bad_configs_raise(stage, make, message):
+    with pytest.raises(ValueError, match=message):
+        make(stage)
+
+
+def test_generate_greedy_matches_transformers(stage, hf, ours):
+    ids = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(6))
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=25,
+                           do_sample=False, pad_token_id=0)
+    assert expected.shape == (3, 34)
+    assert torch.equal(stage.generate_greedy(ours, ids, 25), expected)
+
+
+@torch.no_grad()
+def test_generate_greedy_crops_to_the_context(stage, hf, ours):
+    ids = torch.randint(0, 97, (2, 36), generator=torch.Generator().manual_seed(7))
+    expected = ids
+    for _ in range(10):  # past 40 tokens the model sees only the last 40
+        next_id = hf(expected[:, -40:]).logits[:, -1].argmax(-1, keepdim=True)
+        expected = torch.cat([expected, next_id], dim=1)
+    assert torch.equal(stage.generate_greedy(ours, ids, 10), expected)
+
+
+# -- the download helper against a local HTTP server ------------------------------------------
+
+# More than two of download()'s 1 MiB read blocks, so that half of it leaves a part to resume.
+PAYLOAD = random.Random(0).randbytes(2_500_007)
+PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()
+
+
+class FileServer(http.server.ThreadingHTTPServer):
+    """Serves PAYLOAD on 127.0.0.1 at /file (with Range requests), /redirect (a 302 to /file
+    that names a sha256 in X-Linked-Etag, as the Hugging Face Hub does) and 404 elsewhere.
+    truncate: announce the full length but close after half; ignore_range: always send it all;
+    gzip: compress the body for clients that accept it (as raw.githubusercontent.com does)."""
+
+    truncate = ignore_range = gzip = False
+    etag = PAYLOAD_SHA
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), FileHandler)
+        self.ranges = []  # the Range header of each request to /file (None: none sent)
+
+    def url(self, path="/file"):
+        return f"http://127.0.0.1:{self.server_port}{path}"
+
+
+class FileHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        server = self.server
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "/file")
+            self.send_header("X-Linked-Etag", f'"{server.etag}"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path != "/file":
+            self.send_error(404)
+            return
+        requested = self.headers.get("Range")
+        server.ranges.append(requested)
+        start = 0
+        if requested and not server.ignore_range:
+            start = int(re.fullmatch(r"bytes=(\d+)-", requested).group(1))
+            if start >= len(PAYLOAD):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(PAYLOAD)}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        body = PAYLOAD[start:]
+        compress = server.gzip and "gzip" in self.headers.get("Accept-Encoding", "") and not start
+        if compress:
+            body = gzip.compress(body, compresslevel=1)
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(PAYLOAD) - 1}/{len(PAYLOAD)}")
+        if compress:  # Content-Length is then the compressed size
+            self.send_header("Content-Encoding", "gzip")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if server.truncate:
+            self.wfile.write(body[:len(body) // 2])
+            self.close_connection = True
+        else:
+            self.wfile.write(body)
+
+    def log_message(self, *args):  # keep the test output clean
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = FileServer()
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.01},
+                              daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    thread.join(timeout=5)
+
+
+def test_download_lands_whole_and_checked(stage, server, tmp_path):
+    dest = tmp_path / "sub" / "f.bin"
+    assert stage.download(server.url(), dest, sha256=PAYLOAD_SHA) == dest
+    assert dest.read_bytes() == PAYLOAD
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["f.bin"]  # no .part left
+    assert stage.download(server.url(), dest, sha256="0" * 64) == dest  # cached: no request
+    assert len(server.ranges) == 1
+
+
+def test_download_checksum_mismatch_leaves_nothing(stage, server, tmp_path):
+    dest = tmp_path / "f.bin"
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        stage.download(server.url(), dest, sha256="0" * 64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_download_resumes_after_an_interruption(stage, server, tmp_path):
+    dest = tmp_path / "f.bin"
+    part = tmp_path / "f.bin.part"
+    server.truncate = True
+    with pytest.raises(RuntimeError, match="resume"):
+        stage.download(server.url(), dest, sha256=PAYLOAD_SHA)
+    assert not dest.exists()
+    have = part.stat().st_size
+    assert 0 < have < len(PAYLOAD) and part.read_bytes() == PAYLOAD[:have]
+    server.truncate = False
+    stage.download(server.url(), dest, sha256=PAYLOAD_SHA)
+    assert server.ranges == [None, f"bytes={have}-"]
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == PAYLOAD_SHA and not part.exists()
+
+
+@pytest.mark.parametrize("part_bytes, ignore_range", [
+    (PAYLOAD[:1000] + b"junk", True),  # a server without Range support sends it all: start over
+    (PAYLOAD + b"extra", False),       # a .part longer than the file gets 416: start over
+])
+def test_download_starts_over_when_it_cannot_resume(stage, server, tmp_path, part_bytes,
+                                                    ignore_range):
+    dest = tmp_path / "f.bin"
+    (tmp_path / "f.bin.part").write_bytes(part_bytes)
+    server.ignore_range = ignore_range
+    stage.download(server.url(), dest, sha256=PAYLOAD_SHA)
+    assert dest.read_bytes() == PAYLOAD and not (tmp_path / "f.bin.part").exists()
+
+
+def test_download_from_a_server_that_compresses(stage, server, tmp_path):
+    server.gzip = True
+    stage.download(server.url(), tmp_path / "f.bin", sha256=PAYLOAD_SHA)
+    assert (tmp_path / "f.bin").read_bytes() == PAYLOAD
+
+
+def test_download_uses_the_servers_sha256(stage, server, tmp_path):
+    stage.download(server.url("/redirect"), tmp_path / "good.bin")
+    assert (tmp_path / "good.bin").read_bytes() == PAYLOAD
+    server.etag = hashlib.sha256(b"something else").hexdigest()
+    with pytest.raises(ValueError, match=server.etag):
+        stage.download(server.url("/redirect"), tmp_path / "bad.bin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.bin"]
+
+
+def test_download_errors_name_the_file(stage, server, tmp_path):
+    dest = tmp_path / "f.bin"
+    with pytest.raises(RuntimeError, match="404"):
+        stage.download(server.url("/nope"), dest)
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match=re.escape(str(dest))):
+        stage.download(f"http://127.0.0.1:{port}/f.bin", dest, timeout=5)
+    assert not dest.exists()
+    with pytest.raises(KeyError, match="nope"):
+        stage.data_file("nope")
+
+
+# -- the script --------------------------------------------------------------------------------
+
+def test_main_runs_end_to_end(stage, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["02_gpt.py", "--size", "124M", "--vocab", "300"])
+    stage.main()
+    out = capsys.readouterr().out
+    for check in ("round trip exact: True", "equals tiktoken: True", "whole story equal: True",
+                  "124.4M parameters", "greedy continuation of 'Hello, I am'"):
+        assert check in out
+
+
+def test_main_rejects_bad_flags(stage, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["02_gpt.py", "--size", "7B"])
+    with pytest.raises(SystemExit):
+        stage.main()
