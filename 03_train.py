@@ -660,7 +660,7 @@ def load_gpt2(path_or_size, device="cpu", data_dir=None):
 # about two minutes; the GPT-2 sizes use the book's settings (context 256, batch 2, lr 4e-4).
 TRAIN_PRESETS = {
     "tiny": dict(model=dict(n_layer=4, n_head=4, n_embd=256), context_length=128, batch_size=8,
-                 epochs=25, lr=1e-3, dropout=0.0),
+                 epochs=15, lr=1e-3, dropout=0.0),
     **{size: dict(model={}, context_length=256, batch_size=2, epochs=10, lr=4e-4, dropout=0.1)
        for size in GPT2_SIZES},
 }
