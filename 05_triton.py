@@ -1488,11 +1488,14 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets have shape {tuple(targets.shape)}; expected {tuple(logits.shape[:-1])} "
                          f"for logits {tuple(logits.shape)}")
-    _check("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device)
+    # targets are small: a strided view (say y = x[:, 1:]) is copied rather than refused
+    _check("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
+           contiguous=False)
     vocab = logits.shape[-1]
     if (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():
         raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index ({ignore_index})")
-    return _CrossEntropy.apply(logits.view(-1, vocab), targets.view(-1), ignore_index, inplace_backward)
+    return _CrossEntropy.apply(logits.view(-1, vocab), targets.reshape(-1), ignore_index,
+                               inplace_backward)
 
 
 # ------------------------------------------------------------------------------------------------

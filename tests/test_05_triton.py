@@ -227,6 +227,16 @@ def test_cross_entropy_inplace_overwrites_logits(s, gen):
     assert rel_err(leaf.grad, ref.grad) < 1e-5
 
 
+def test_cross_entropy_strided_targets(s, gen):
+    # the training loop's targets are a view, y = tokens[:, 1:]: not contiguous
+    tokens = torch.randint(77, (3, 12), generator=gen).to(DEVICE)
+    logits = randn(gen, 3, 11, 77)
+    targets = tokens[:, 1:]
+    assert not targets.is_contiguous()
+    ref = F.cross_entropy(logits.double().flatten(0, 1), targets.flatten())
+    assert abs(s.cross_entropy(logits, targets).item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
 def test_cross_entropy_int32_targets(s, gen):
     logits, targets = randn(gen, 9, 77), torch.randint(77, (9,), generator=gen).to(DEVICE)
     loss = s.cross_entropy(logits, targets.int())
