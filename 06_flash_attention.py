@@ -1,0 +1,2688 @@
+"""Stage 06: FlashAttention in Triton, forward and backward (book chapter 15).
+
+What this stage teaches
+    15. Why naive attention is memory-bound (the T x S score matrix is written and read back),
+        the online softmax (a running max and sum, rescaling the partial output), first as a
+        tiled loop in plain torch to step through (`tiled_attention_torch`), then as Triton
+        kernels: `flash_attention(q, k, v, causal=True, sm_scale=None)` with q (B, Hq, T, D),
+        k and v (B, Hkv, S, D), grouped-query heads, any T and S, causal masks aligned
+        bottom-right (what a KV-cached decode needs), the forward saving the log-sum-exp and a
+        FlashAttention-2 backward (dq, dk, dv) behind a torch.autograd.Function.
+    The GPT trains and generates with it (`--attention flash`, the default).
+
+New since stage 05: chapter 15, `--attention`, and `use_attention` / `use_flash_attention`.
+Changed: `--bench` prints the attention table (forward and backward TFLOP/s against torch's
+SDPA and the naive version, peak memory), then GPT-2 124M training throughput on the stage's
+kernels against torch eager and torch.compile with SDPA; stage 05's kernel table is
+`--bench-kernels`.
+
+Run
+    python 06_flash_attention.py                   # kernels vs torch, GPT on the kernels
+    python 06_flash_attention.py --train           # stage 03's run, Triton kernels + flash
+    python 06_flash_attention.py --bench           # attention table, then training tokens/s
+Without CUDA the kernels run in Triton's interpreter at small sizes.
+"""
+
+import argparse
+import functools
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import types
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+import tiktoken
+import tiktoken.load
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.autograd.function import once_differentiable
+from torch.utils.data import DataLoader, Dataset
+
+# Triton reads TRITON_INTERPRET once, when it is first imported: without CUDA the interpreter
+# must be on before that import, so every kernel below still runs (on the CPU, slowly).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402  (after the interpreter switch)
+import triton.language as tl  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------
+# Data files: downloaded once into data/, checked by sha256
+# ----------------------------------------------------------------------------------------------
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
+DATA_FILES = {
+    "the-verdict.txt": (
+        "https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch02/"
+        "01_main-chapter-code/the-verdict.txt",
+        "b41e41a68f0398a3154ae69e2e4c0e2694e17fe0d66730536837f1b01935b31f",
+    ),
+    "gpt2.tiktoken": (
+        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
+        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+    ),
+}
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _server_sha256(response):
+    """The Hugging Face Hub names a large file's sha256 in the X-Linked-Etag header of the
+    redirect it answers with; use it when no checksum is pinned."""
+    for r in [*response.history, response]:
+        etag = r.headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"')
+        if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
+            return etag
+    return None
+
+
+def download(url, dest, sha256=None, timeout=30.0):
+    """Download `url` to `dest` unless it is already there; return the path.
+
+    The bytes go to `dest.part` first and are renamed into place only once complete and
+    checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
+    its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
+    when given, else the checksum the server names, else the announced size.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    # identity: a compressed body would not match Content-Length or resume at a byte offset
+    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    try:
+        response = requests.get(url, stream=True, timeout=timeout, headers=headers)
+        if have and response.status_code == 416:  # the .part is stale: start over
+            part.unlink()
+            return download(url, dest, sha256, timeout)
+        response.raise_for_status()
+    except requests.RequestException as e:
+        raise RuntimeError(
+            f"could not download {url}: {e}\n"
+            f"Without a network, place the file at {dest} yourself."
+        ) from e
+    if response.status_code != 206:  # the server ignored the Range header: start over
+        have = 0
+    sha256 = sha256 or _server_sha256(response)
+    remaining = int(response.headers.get("Content-Length", 0))
+    total = have + remaining if remaining else None
+    done, last_print, start = have, 0.0, time.time()
+    try:
+        with open(part, "ab" if have else "wb") as f:
+            for block in response.iter_content(chunk_size=1 << 20):
+                f.write(block)
+                done += len(block)
+                if time.time() - last_print > 0.5 or (total and done == total):
+                    last_print = time.time()
+                    rate = (done - have) / max(last_print - start, 1e-9) / 1e6
+                    of = f"/{total / 1e6:.1f}" if total else ""
+                    print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
+                          end="", file=sys.stderr, flush=True)
+    except requests.RequestException as e:
+        raise RuntimeError(
+            f"download of {url} was interrupted after {done} bytes ({e}); "
+            f"run again to resume from {part}"
+        ) from e
+    finally:
+        if done > have:
+            print(file=sys.stderr)  # end the progress line
+    if total is not None and done != total:
+        raise RuntimeError(f"download of {url} stopped at {done} of {total} bytes; "
+                           f"run again to resume from {part}")
+    if sha256 is not None and _sha256(part) != sha256:
+        part.unlink()
+        raise ValueError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
+                         f"the download was deleted")
+    os.replace(part, dest)  # atomic: the file appears complete or not at all
+    return dest
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file (see DATA_FILES), downloaded into the cache on first use."""
+    if name not in DATA_FILES:
+        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
+    url, sha256 = DATA_FILES[name]
+    return download(url, Path(data_dir or DATA_DIR) / name, sha256=sha256)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 4. Text as numbers
+# ----------------------------------------------------------------------------------------------
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOT_ID = 50256  # <|endoftext|>
+
+
+def gpt2_tokenizer(data_dir=None):
+    """GPT-2's tokenizer as a tiktoken Encoding, built from data/gpt2.tiktoken (no hidden download)."""
+    ranks = tiktoken.load.load_tiktoken_bpe(str(data_file("gpt2.tiktoken", data_dir)))
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT_ID})
+
+
+class GPTDataset(Dataset):
+    """Sliding windows over one long token stream: input ids[i:i+T], target ids[i+1:i+T+1]."""
+
+    def __init__(self, token_ids, context_length, stride):
+        if len(token_ids) < context_length + 1:
+            raise ValueError(f"need at least {context_length + 1} tokens for one window of "
+                             f"{context_length}, got {len(token_ids)}")
+        if stride < 1:
+            raise ValueError(f"stride must be positive, got {stride}")
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        starts = range(0, len(ids) - context_length, stride)
+        self.inputs = torch.stack([ids[i:i + context_length] for i in starts])            # (N, T)
+        self.targets = torch.stack([ids[i + 1:i + 1 + context_length] for i in starts])   # (N, T)
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, i):
+        return self.inputs[i], self.targets[i]
+
+
+def create_dataloader(token_ids, batch_size, context_length, stride=None, shuffle=True,
+                      drop_last=True, seed=0):
+    """Batches of (inputs, targets), each (B, T). stride defaults to T (no overlap)."""
+    dataset = GPTDataset(token_ids, context_length,
+                         context_length if stride is None else stride)
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                      generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 5. Attention
+# ----------------------------------------------------------------------------------------------
+
+class MultiHeadAttention(nn.Module):
+    """H causal heads computed at once: one projection to 3C, split into (B, H, T, D) heads.
+    This is the attention the GPT uses; its names follow GPT-2's checkpoints."""
+
+    def __init__(self, n_embd, n_head, context_length, dropout=0.0, bias=True):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # q, k, v for all heads
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)      # mixes the heads' outputs
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        mask = torch.ones(context_length, context_length, dtype=torch.bool).tril()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)                      # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))                                 # 3 x (B, H, T, D)
+        y = self.attend(q, k, v)                                       # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)               # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v):
+        """Causal attention with an explicit mask: materializes the (B, H, T, T) scores."""
+        T = q.size(2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))      # (B, H, T, T)
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        return self.attn_dropout(att) @ v                             # (B, H, T, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 6. The transformer block and GPT
+# ----------------------------------------------------------------------------------------------
+
+GPT2_SIZES = {  # name: (n_layer, n_head, n_embd), from the GPT-2 paper's table 2
+    "124M": (12, 12, 768),
+    "355M": (24, 16, 1024),
+    "774M": (36, 20, 1280),
+    "1558M": (48, 25, 1600),
+}
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257     # GPT-2's BPE: 50,000 merges + 256 bytes + <|endoftext|>
+    context_length: int = 1024  # longest sequence; the position table has this many rows
+    n_embd: int = 768           # C, the width of the residual stream
+    n_head: int = 12            # H; each head has D = C // H dimensions
+    n_layer: int = 12
+    dropout: float = 0.0
+    bias: bool = True           # biases in the Linear layers (GPT-2 has them)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got "
+                                 f"{getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @classmethod
+    def gpt2(cls, size="124M", **overrides):
+        if size not in GPT2_SIZES:
+            raise ValueError(f"unknown GPT-2 size {size!r}; choose one of {list(GPT2_SIZES)}")
+        n_layer, n_head, n_embd = GPT2_SIZES[size]
+        return cls(**{"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, **overrides})
+
+
+class LayerNorm(nn.Module):
+    """Normalize each position's C features to mean 0 and variance 1, then scale and shift."""
+
+    def __init__(self, n_embd, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n_embd))
+        self.bias = nn.Parameter(torch.zeros(n_embd))
+
+    def forward(self, x):
+        mean = x.mean(dim=-1, keepdim=True)
+        var = x.var(dim=-1, keepdim=True, unbiased=False)  # biased, as GPT-2 was trained
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class GELU(nn.Module):
+    """GPT-2's GELU: the tanh approximation of x * Phi(x)."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd, dropout=0.0, bias=True):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)    # (B, T, C) -> (B, T, 4C)
+        self.act = GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)  # back to (B, T, C)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd)
+        self.attn = MultiHeadAttention(cfg.n_embd, cfg.n_head, cfg.context_length,
+                                       cfg.dropout, cfg.bias)
+        self.ln_2 = LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg.n_embd, cfg.dropout, cfg.bias)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)      # token embeddings
+        self.wpe = nn.Embedding(cfg.context_length, cfg.n_embd)  # learned absolute positions
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2: one (V, C) matrix
+        self.apply(self._init_weights)
+        # GPT-2 scales the init of the projections that write into the residual stream by
+        # 1/sqrt(2 * n_layer), so the stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding=False):
+        n = sum(p.numel() for p in self.parameters())  # the tied matrix is counted once
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx):
+        if idx.dim() != 2 or idx.dtype != torch.long:
+            raise ValueError(f"idx must be a (B, T) tensor of int64 token ids, "
+                             f"got {tuple(idx.shape)} {idx.dtype}")
+        B, T = idx.shape
+        if T > self.cfg.context_length:
+            raise ValueError(f"sequence length {T} exceeds the context length "
+                             f"{self.cfg.context_length}")
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{idx.min().item()}, {idx.max().item()}]")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))             # (B, T, V)
+
+
+@torch.no_grad()
+def generate_greedy(model, idx, max_new_tokens):
+    """Append the most likely next token max_new_tokens times. idx (B, T) -> (B, T + new)."""
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.context_length:])  # crop to what the model can see
+        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 7. Training
+# ----------------------------------------------------------------------------------------------
+
+def loss_fn(logits, targets):
+    """Mean next-token cross-entropy. logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def autocast(device):
+    """bf16 autocast on a GPU (matmuls in bf16, reductions in fp32); plain fp32 on the CPU."""
+    on_gpu = torch.device(device).type == "cuda"
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, max_batches=None, loss=loss_fn):  # changed: loss argument
+    """Mean loss over (at most max_batches of) a loader, with dropout off."""
+    was_training = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for x, y in loader:
+        if max_batches is not None and n >= max_batches:
+            break
+        with autocast(device):
+            total += loss(model(x.to(device)), y.to(device)).item()
+        n += 1
+    model.train(was_training)
+    return total / max(n, 1)
+
+
+def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio=0.1):
+    """Linear warmup to max_lr, then cosine decay to min_lr_ratio * max_lr at total_steps."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return max_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model, lr, weight_decay, device):
+    """AdamW with weight decay on the matrices only (decaying biases and norm gains only hurts).
+    On a GPU the fused implementation updates every parameter in one kernel launch."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = torch.device(device).type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)
+
+
+def flops_per_token(model, T):
+    """Training FLOPs per token: 6 per weight (2 forward, 4 backward) plus 12 * n_layer * C * T
+    for attention's scores and weighted sum (the count of the PaLM paper, appendix B)."""
+    cfg = model.cfg
+    return 6 * model.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * T
+
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets, for MFU.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+
+
+def peak_flops(device):
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    lr: float = 1e-3            # peak learning rate, reached after warmup
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    grad_clip: float = 1.0      # max global gradient norm
+    eval_every: int = 10        # steps between validation evaluations
+    eval_batches: int = 10      # validation batches per evaluation (None: all)
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.lr <= 0 or self.eval_every < 1 or self.warmup_steps < 0:
+            raise ValueError(f"bad TrainConfig: {self}")
+
+
+def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn):  # changed
+    """Train for tcfg.epochs; log and record (step, train loss, val loss) every eval_every steps.
+    Returns the history as a list of dicts."""
+    opt = make_optimizer(model, tcfg.lr, tcfg.weight_decay, device)
+    total_steps = tcfg.epochs * len(train_loader)
+    peak = peak_flops(device)
+    history, step, window_loss, window_steps = [], 0, 0.0, 0
+    t_last, tokens_last = time.time(), 0
+    val = evaluate(model, val_loader, device, tcfg.eval_batches, loss)
+    log(f"step {0:>5}/{total_steps} | val loss {val:.3f} (untrained)")
+    history.append({"step": 0, "train_loss": None, "val_loss": val})
+    model.train()
+    for epoch in range(tcfg.epochs):
+        for x, y in train_loader:
+            lr = lr_at(step, tcfg.lr, tcfg.warmup_steps, total_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device):
+                step_loss = loss(model(x), y)  # changed: the loss argument
+            opt.zero_grad(set_to_none=True)
+            step_loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            opt.step()
+            step += 1
+            tokens_last += x.numel()
+            window_loss += step_loss.detach()  # stays on the device: no host sync per step
+            window_steps += 1
+            if step % tcfg.eval_every == 0 or step == total_steps:
+                train_loss = (window_loss / window_steps).item()
+                val = evaluate(model, val_loader, device, tcfg.eval_batches, loss)
+                dt = time.time() - t_last
+                tok_s = tokens_last / dt
+                mfu = (f" | MFU {flops_per_token(model, x.size(1)) * tok_s / peak:.1%}"
+                       if peak else "")
+                log(f"step {step:>5}/{total_steps} | epoch {epoch + 1} | train loss "
+                    f"{train_loss:.3f} | val loss {val:.3f} | lr {lr:.2e} | "
+                    f"{tok_s:,.0f} tok/s{mfu}")
+                history.append({"step": step, "train_loss": train_loss, "val_loss": val})
+                window_loss, window_steps, tokens_last, t_last = 0.0, 0, 0, time.time()
+    return history
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 8. Generation
+# ----------------------------------------------------------------------------------------------
+
+def filter_logits(logits, top_k=None, top_p=None):
+    """Set to -inf every logit that top-k and then top-p rule out. logits (B, V).
+
+    top_k keeps the k largest. top_p keeps the smallest set of most likely tokens whose
+    probabilities add up to at least top_p (the most likely token always survives).
+    """
+    if top_k is not None:
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if top_p is not None and top_p < 1.0:  # 1.0 keeps all (a float32 cumsum may reach 1 early)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)   # (B, V)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None, eos_id=None,
+             generator=None):
+    """Extend idx (B, T) by up to max_new_tokens tokens. temperature 0 is greedy; otherwise
+    sample from softmax(logits / temperature) after top-k / top-p filtering. With eos_id, a
+    sequence that produced it keeps producing it, and the loop stops once all have."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.context_length:])[:, -1, :].float()  # (B, V)
+        if temperature == 0.0:
+            next_id = logits.argmax(dim=-1, keepdim=True)                      # (B, 1)
+        else:
+            probs = filter_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
+            next_id = torch.multinomial(probs, 1, generator=generator)
+        if eos_id is not None:
+            next_id = next_id.masked_fill(done[:, None], eos_id)
+            done |= next_id[:, 0] == eos_id
+        idx = torch.cat([idx, next_id], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    return idx
+
+
+def save_checkpoint(model, path):
+    """Weights and config in one safetensors file. The tied lm_head is stored once (as wte)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}
+    save_file(state, str(path), metadata={"config": json.dumps(asdict(model.cfg))})
+
+
+def load_state(model, state, source):
+    """Copy `state` into model, naming any tensor that is missing, unexpected or misshapen."""
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                             f"config expects {tuple(expected[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            expected[name].copy_(tensor)
+    return model
+
+
+def load_checkpoint(path, device="cpu"):
+    """Rebuild a GPT saved by save_checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = f.metadata() or {}
+        if "config" not in meta:
+            raise ValueError(f"{path} has no GPT config in its metadata; was it written by "
+                             f"save_checkpoint?")
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    model = GPT(GPTConfig(**json.loads(meta["config"]))).to(device)
+    return load_state(model, state, str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 9. Real weights: GPT-2 from the Hugging Face layout
+# ----------------------------------------------------------------------------------------------
+
+GPT2_REPOS = {"124M": "openai-community/gpt2", "355M": "openai-community/gpt2-medium",
+              "774M": "openai-community/gpt2-large", "1558M": "openai-community/gpt2-xl"}
+HF_URL = "https://huggingface.co/{repo}/resolve/main/{file}"
+
+
+def download_gpt2(size, data_dir=None):
+    """Fetch config.json and model.safetensors of a GPT-2 size into data/gpt2-<size>/."""
+    folder = Path(data_dir or DATA_DIR) / f"gpt2-{size}"
+    for file in ("config.json", "model.safetensors"):
+        download(HF_URL.format(repo=GPT2_REPOS[size], file=file), folder / file)
+    return folder
+
+
+def load_gpt2(path_or_size, device="cpu", data_dir=None):
+    """GPT-2 weights from a directory holding config.json + model.safetensors (the Hugging Face
+    layout), or from a size name ("124M", "355M", "774M", "1558M"), downloaded on first use."""
+    if str(path_or_size) in GPT2_REPOS:
+        folder = download_gpt2(str(path_or_size), data_dir)
+    else:
+        folder = Path(path_or_size)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} is neither a GPT-2 size {list(GPT2_REPOS)} nor a "
+                                    f"directory with config.json and model.safetensors")
+    for file in ("config.json", "model.safetensors"):
+        if not (folder / file).is_file():
+            raise FileNotFoundError(f"{folder / file} is missing")
+    hf = json.loads((folder / "config.json").read_text())
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"unsupported activation {hf['activation_function']!r}: this GPT "
+                         f"uses GELU's tanh form")
+    if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
+        raise ValueError(f"unsupported layer_norm_epsilon {hf['layer_norm_epsilon']}")
+    cfg = GPTConfig(vocab_size=hf["vocab_size"], context_length=hf["n_positions"],
+                    n_embd=hf["n_embd"], n_head=hf["n_head"], n_layer=hf["n_layer"])
+    state = {}
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            name = key.removeprefix("transformer.")  # newer saves nest the body one level down
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+                continue  # old causal-mask buffers; the head is tied to wte
+            tensor = f.get_tensor(key)
+            # GPT-2's Conv1D layers store their weights as (in, out); nn.Linear wants (out, in).
+            if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+                tensor = tensor.t()
+            state[name] = tensor
+    model = load_state(GPT(cfg), state, str(folder / "model.safetensors"))
+    return model.to(device).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 14. Triton
+# ----------------------------------------------------------------------------------------------
+
+# NEW in stage 05: Triton kernels. Legend for this section: a "row" kernel sees its input as
+# (rows, N), N the last dimension; matmul shapes are A (M, K) @ B (K, N) = C (M, N); cross-entropy
+# sees logits (rows, V), V the vocabulary.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = tl.constexpr(INTERPRET)  # kernels can read module globals only when they are constexpr
+
+if INTERPRET:
+    # Triton 3.6's interpreter hands scalar arguments to a kernel as 1-element arrays and turns loop
+    # bounds into ints with int(array), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed
+    # after 3.6). Convert through .item() instead; every other piece of the interpreter is untouched.
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_item(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor_item
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True):
+    """Raise a clear error unless `t` is a tensor these kernels can take."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, dtypes))}")
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and INTERPRET):
+        raise ValueError(f"{name} is on {t.device}: the Triton kernels take CUDA tensors (CPU tensors "
+                         "only under the interpreter, TRITON_INTERPRET=1 set before triton is imported)")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device):
+    """Streaming multiprocessors of `device`; 1 for the interpreter, which runs programs one by one."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.1 The programming model, on a vector add
+# ------------------------------------------------------------------------------------------------
+# A CUDA kernel is written for one thread; a Triton kernel is written for one *program*, which
+# handles a whole block of elements: `tl.arange(0, BLOCK)` is a vector of offsets, `tl.load` and
+# `tl.store` move a block between memory and registers, and arithmetic works on whole blocks. The
+# grid counts programs, not threads. The compiler spreads a block over the `num_warps` warps of its
+# program, widens loads to 16 bytes when it can prove alignment, and stages data through shared
+# memory: the work stage 04 did by hand. CUDA's `if (i < n)` becomes a mask on the load and the
+# store. Block sizes are `tl.constexpr`: each value compiles its own kernel, so every shape is known
+# to the compiler; `triton.autotune` times a list of such configurations the first time it meets a
+# new key (here the length n) and keeps the fastest. The vector add moves 12 bytes per fp32 element
+# and does one add: it is bound by memory bandwidth, like every kernel here except the matmul.
+
+def _autotune_list(configs):
+    # Under the interpreter there is nothing to time: keep one configuration (the autotuner then
+    # runs it without timing).
+    return configs[:1] if INTERPRET else configs
+
+
+@triton.autotune(configs=_autotune_list([triton.Config({"BLOCK": b}, num_warps=w)
+                                         for b, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))]),
+                 key=["n"])
+@triton.jit
+def _add_kernel(X, Y, OUT, n, BLOCK: tl.constexpr):
+    # X, Y, OUT: n elements each. Program p owns elements [p * BLOCK, (p + 1) * BLOCK).
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n  # the last program's tail
+    x = tl.load(X + offs, mask=mask).to(tl.float32)
+    y = tl.load(Y + offs, mask=mask).to(tl.float32)
+    # 16-bit inputs are added in fp32 and rounded once, as torch does (Triton 3.6's interpreter
+    # would add bf16 values as raw bits)
+    tl.store(OUT + offs, (x + y).to(OUT.dtype.element_ty), mask=mask)
+
+
+def vector_add(x, y):
+    """x + y for two tensors of the same shape and dtype."""
+    _check("x", x)
+    _check("y", y, device=x.device)
+    if x.shape != y.shape or x.dtype != y.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and y {tuple(y.shape)} {y.dtype} differ")
+    out = torch.empty_like(x)
+    n = x.numel()
+    _add_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, out, n)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.2 Row kernels: softmax
+# ------------------------------------------------------------------------------------------------
+# Softmax over the last dimension written as torch ops (max, subtract, exp, sum, divide) reads and
+# writes the tensor about five times; the floor is one read and one write. A program that holds
+# its rows in registers does exactly that: load, reduce, normalize, store. Up to _MAX_FUSED_N
+# columns a row fits in registers (16,384 fp32 over 16 warps is 32 values a thread); narrow rows
+# are packed several to a program, so that each program still moves a few thousand elements and
+# launches stay few. Wider rows are streamed in chunks of _CHUNK: an online pass computes the
+# row's logsumexp, a second pass writes exp(x - lse), 1.5x the bytes of the fused kernel.
+
+_MAX_FUSED_N = 16384  # widest row kept whole in registers (forward)
+_MAX_FUSED_BWD_N = 8192  # the norm backward also keeps w, dw and db per program: half the width
+_FUSED_ELEMS = 4096  # elements a program takes when rows are narrower than this
+_CHUNK = 4096  # chunk of a streamed (wide) row
+
+
+@triton.jit
+def _row_logsumexp(x_ptr, N, BLOCK_N: tl.constexpr):
+    """logsumexp of the N values at x_ptr, in one pass over chunks of BLOCK_N (online max)."""
+    m = -float("inf")  # running max
+    s = 0.0  # running sum of exp(x - m)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_ptr + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        # rescale the old sum to the new max; while every value so far is -inf, use 0 as the max
+        # so that exp(-inf - -inf) never makes a NaN
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+        m = m_new
+    return m + tl.log(s)
+
+
+@triton.jit
+def _softmax_fwd_kernel(X, Y, n_rows, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # X, Y: (n_rows, N). Program p owns rows [p * ROWS, (p + 1) * ROWS), whole, in registers.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    # rows past the end re-read the last row and are never stored: no lane is all -inf padding
+    offs = tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * N + cols[None, :]  # (ROWS, BLOCK_N)
+    x = tl.load(X + offs, mask=cols[None, :] < N, other=-float("inf")).to(tl.float32)
+    # subtracting the row max keeps every exp() <= 1 (no overflow) and leaves the result unchanged
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < N))
+
+
+@triton.jit
+def _softmax_fwd_looped_kernel(X, Y, N, BLOCK_N: tl.constexpr):
+    # X, Y: (rows, N), one program per row, the row streamed in chunks of BLOCK_N.
+    row = tl.program_id(0).to(tl.int64)
+    lse = _row_logsumexp(X + row * N, N, BLOCK_N)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + cols, tl.exp(x - lse).to(Y.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _softmax_bwd_kernel(Y, DY, DX, n_rows, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dx = y * (dy - sum(y * dy)): the softmax Jacobian applied without ever forming it.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]  # (ROWS, BLOCK_N)
+    y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_looped_kernel(Y, DY, DX, N, BLOCK_N: tl.constexpr):
+    # The same for wide rows: pass 1 sums y * dy over the row, pass 2 writes dx.
+    row = tl.program_id(0).to(tl.int64)
+    dot = 0.0
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        y = tl.load(Y + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        dot += tl.sum(y * dy, 0)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        y = tl.load(Y + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(DX + row * N + cols, (y * (dy - dot)).to(DX.dtype.element_ty), mask=cols < N)
+
+
+def _launch_rows(fused_kernel, looped_kernel, args, n_rows, n_cols, **meta):
+    """Launch a row kernel: whole rows in registers when they fit, else streamed in chunks."""
+    block_n = triton.next_power_of_2(n_cols)
+    if block_n <= _MAX_FUSED_N:
+        rows = min(max(1, _FUSED_ELEMS // block_n), triton.next_power_of_2(n_rows))
+        warps = min(16, max(4, rows * block_n // 512))  # 8 to 32 values a thread
+        fused_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, ROWS=rows, BLOCK_N=block_n,
+                                                   num_warps=warps, **meta)
+    else:
+        looped_kernel[(n_rows,)](*args, n_cols, BLOCK_N=_CHUNK, num_warps=8, **meta)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # x (rows, N)
+        y = torch.empty_like(x)
+        _launch_rows(_softmax_fwd_kernel, _softmax_fwd_looped_kernel, (x, y), *x.shape)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        dx = torch.empty_like(y)
+        _launch_rows(_softmax_bwd_kernel, _softmax_bwd_looped_kernel, (y, dy.contiguous(), dx), *y.shape)
+        return dx
+
+
+def softmax(x):
+    """Softmax over the last dimension of x (..., N), computed in fp32, returned in x's dtype."""
+    _check("x", x)
+    return _Softmax.apply(x.view(-1, x.shape[-1])).view(x.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.3 Row kernels: LayerNorm and RMSNorm, forward and backward
+# ------------------------------------------------------------------------------------------------
+# LayerNorm y = (x - mean) * rstd * w + b; RMSNorm y = x * rstd * w with rstd from the mean square
+# alone. One kernel serves both (RMS is a constexpr: the compiler drops the branch not taken). The
+# forward reads x once and writes y, plus two floats a row (mean, rstd) that the backward reuses.
+# The backward has two parts of different shape. dx is per row:
+#     xhat = (x - mean) * rstd,  g = w * dy,  dx = rstd * (g - xhat * mean(xhat * g) - mean(g))
+# (RMSNorm drops the last term). dw = sum over rows of dy * xhat and db = sum of dy are reductions
+# over *all* rows: one program per row adding into dw would serialize on atomics. Instead a fixed
+# number of programs (a few per SM) each takes a run of rows, keeps its partial dw and db in
+# registers, and writes one row of a (programs, N) buffer; a second small kernel sums that buffer
+# over its rows. Both passes are parallel and the result is deterministic.
+
+
+@triton.jit
+def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N, RMS: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # X, Y (n_rows, N); W, B (N,) (B may be None); MEAN, RSTD (n_rows,) fp32 (MEAN None for RMS).
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]  # (ROWS, BLOCK_N)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)  # centered; masked lanes stay 0
+        tl.store(MEAN + rows, mean, mask=rows < n_rows)
+    # the variance of centered values: no cancellation, unlike E[x^2] - E[x]^2
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if B is not None:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, eps, N, RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Wide rows, one program per row: pass 1 gathers the statistics chunk by chunk, pass 2 writes y.
+    row = tl.program_id(0).to(tl.int64)
+    count = 0.0  # values seen so far
+    mean = 0.0
+    m2 = 0.0  # sum of squared deviations from `mean` (sum of squares for RMS)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if RMS:
+            m2 += tl.sum(x * x, 0)
+        else:
+            # merge this chunk's (count, mean, m2) into the running ones (Chan et al.): stable
+            # where sum(x^2) - sum(x)^2 / N would cancel
+            n_chunk = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+            mean_chunk = tl.sum(x, 0) / n_chunk
+            d = tl.where(cols < N, x - mean_chunk, 0.0)
+            delta = mean_chunk - mean
+            total = count + n_chunk
+            mean += delta * n_chunk / total
+            m2 += tl.sum(d * d, 0) + delta * delta * count * n_chunk / total
+            count = total
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    tl.store(RSTD + row, rstd)
+    if not RMS:
+        tl.store(MEAN + row, mean)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd * w
+        if B is not None:
+            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, N, rows_per_program,
+                     RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program p takes rows [p * rows_per_program, (p + 1) * rows_per_program), ROWS at a time: writes
+    # their dx, and row p of DW_PART and DB_PART (programs, N), its partial sums of dw and db
+    # (DB_PART is None when there is no bias).
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    dw = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    db = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for i in range(0, rows_per_program, ROWS):
+        rows = pid * rows_per_program + i + tl.arange(0, ROWS)
+        in_rows = rows < n_rows  # the last program's run may pass the end
+        mask = in_rows[:, None] & (cols[None, :] < N)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]  # (ROWS, BLOCK_N)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
+        if RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(mask, (x - tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
+        g = w * dy
+        dx = g - xhat * (tl.sum(xhat * g, axis=1) / N)[:, None]
+        if not RMS:
+            dx -= (tl.sum(g, axis=1) / N)[:, None]
+        tl.store(DX + offs, (dx * rstd).to(DX.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+        db += dy
+    tl.store(DW_PART + pid * N + cols, tl.sum(dw, axis=0), mask=cols < N)
+    if DB_PART is not None:
+        tl.store(DB_PART + pid * N + cols, tl.sum(db, axis=0), mask=cols < N)
+
+
+@triton.jit
+def _norm_bwd_looped_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, N, rows_per_program,
+                            RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The same for wide rows, chunk by chunk: pass 1 the two row sums, pass 2 dx. The partial dw
+    # and db no longer fit in registers, so they are added into this program's own (zeroed) row of
+    # DW_PART and DB_PART: a read and a write, and still no other program touches that row.
+    pid = tl.program_id(0)
+    for i in range(0, rows_per_program):
+        row = pid * rows_per_program + i
+        valid = row < n_rows
+        rstd = tl.load(RSTD + row, mask=valid, other=0.0)
+        mean = 0.0
+        if not RMS:
+            mean = tl.load(MEAN + row, mask=valid, other=0.0)
+        sum_xg = 0.0
+        sum_g = 0.0
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = (cols < N) & valid
+            offs = row.to(tl.int64) * N + cols
+            xhat = tl.where(mask, (tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+            g = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) * \
+                tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            sum_xg += tl.sum(xhat * g, 0)
+            sum_g += tl.sum(g, 0)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = (cols < N) & valid
+            offs = row.to(tl.int64) * N + cols
+            xhat = tl.where(mask, (tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) * dy
+            dx = g - xhat * (sum_xg / N)
+            if not RMS:
+                dx -= sum_g / N
+            tl.store(DX + offs, (dx * rstd).to(DX.dtype.element_ty), mask=mask)
+            part = pid * N + cols
+            tl.store(DW_PART + part, tl.load(DW_PART + part, mask=mask) + dy * xhat, mask=mask)
+            if DB_PART is not None:
+                tl.store(DB_PART + part, tl.load(DB_PART + part, mask=mask) + dy, mask=mask)
+
+
+@triton.jit
+def _column_sum_kernel(X, OUT, n_rows, N, rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # X (n_rows, N) -> OUT (programs along axis 1, N): program (j, g) sums rows
+    # [g * rows_per_program, (g + 1) * rows_per_program) of columns block j, in fp32.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * rows_per_program
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, rows_per_program, BLOCK_M):
+        rows = first + i + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < n_rows) & (rows[:, None] < first + rows_per_program) & (cols[None, :] < N)
+        acc += tl.load(X + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + tl.program_id(1) * N + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cols < N)
+
+
+def _column_sum(x, dtype):
+    """x (rows, N) summed over its rows -> (N,) in `dtype`: partial sums of row groups, then their sum."""
+    n_rows, n_cols = x.shape
+    block_n = min(triton.next_power_of_2(n_cols), 256)
+    block_m = 4096 // block_n  # a 4,096-element tile per step
+    grid_n = triton.cdiv(n_cols, block_n)
+    if n_rows > 512:
+        groups = triton.cdiv(n_rows, 256)
+        part = torch.empty((groups, n_cols), device=x.device, dtype=torch.float32)
+        _column_sum_kernel[(grid_n, groups)](x, part, n_rows, n_cols, 256, BLOCK_M=block_m, BLOCK_N=block_n,
+                                             num_warps=8)
+        x, n_rows = part, groups
+    out = torch.empty(n_cols, device=x.device, dtype=dtype)
+    _column_sum_kernel[(grid_n, 1)](x, out, n_rows, n_cols, n_rows, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+    return out
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):  # x (rows, N)
+        n_rows, n_cols = x.shape
+        y = torch.empty_like(x)
+        mean = None if rms else torch.empty(n_rows, device=x.device, dtype=torch.float32)
+        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+        _launch_rows(_norm_fwd_kernel, _norm_fwd_looped_kernel, (x, weight, bias, y, mean, rstd, eps),
+                     n_rows, n_cols, RMS=rms)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.rms = rms
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        n_rows, n_cols = x.shape
+        dx = torch.empty_like(x)
+        block_n = triton.next_power_of_2(n_cols)
+        looped = block_n > _MAX_FUSED_BWD_N
+        rows = 1 if looped else min(max(1, _FUSED_ELEMS // block_n), triton.next_power_of_2(n_rows))
+        warps = 8 if looped else min(16, max(4, rows * block_n // 512))
+        # enough programs to fill the GPU a few times over, each owning a run of rows (a multiple of ROWS)
+        programs = min(triton.cdiv(n_rows, rows), _num_sms(x.device) * max(1, 32 // warps))
+        rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), rows) * rows
+        programs = triton.cdiv(n_rows, rows_per_program)
+        new_part = torch.zeros if looped else torch.empty  # the looped kernel adds into its row
+        dw_part = new_part((programs, n_cols), device=x.device, dtype=torch.float32)
+        db_part = None if bias is None else new_part((programs, n_cols), device=x.device, dtype=torch.float32)
+        args = (x, weight, dy.contiguous(), dx, mean, rstd, dw_part, db_part, n_rows, n_cols, rows_per_program)
+        if looped:
+            _norm_bwd_looped_kernel[(programs,)](*args, RMS=ctx.rms, BLOCK_N=_CHUNK, num_warps=warps)
+        else:
+            _norm_bwd_kernel[(programs,)](*args, RMS=ctx.rms, ROWS=rows, BLOCK_N=block_n, num_warps=warps)
+        dw = _column_sum(dw_part, weight.dtype)
+        db = None if bias is None else _column_sum(db_part, bias.dtype)
+        return dx, dw, db, None, None
+
+
+def _check_norm(x, weight, bias):
+    _check("x", x)
+    _check("weight", weight, device=x.device)
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},) for x {tuple(x.shape)}")
+    if bias is not None:
+        _check("bias", bias, device=x.device)
+        if bias.shape != x.shape[-1:]:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """LayerNorm of x (..., N) over its last dimension, weight and bias (N,) (bias may be None).
+    Statistics in fp32; y in x's dtype. weight and bias may be in another float dtype than x."""
+    _check_norm(x, weight, bias)
+    return _Norm.apply(x.view(-1, x.shape[-1]), weight, bias, eps, False).view(x.shape)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """RMSNorm of x (..., N): x / sqrt(mean(x^2) + eps) * weight, weight (N,)."""
+    _check_norm(x, weight, None)
+    return _Norm.apply(x.view(-1, x.shape[-1]), weight, None, eps, True).view(x.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.4 Elementwise: GELU and SwiGLU
+# ------------------------------------------------------------------------------------------------
+# GPT-2's GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), is x * sigmoid(2u),
+# since 0.5 (1 + tanh(u)) = sigmoid(2u): one exp, no tanh (Triton 3.6's interpreter cannot run
+# libdevice's tanh, and sigmoid is as accurate). Its derivative is s + x s (1 - s) 2u' with
+# s = sigmoid(2u). SwiGLU, silu(gate) * up, is the MLP activation of Llama-style models. As torch
+# ops these read and write several temporaries; one kernel reads the inputs once and writes once.
+# The backward kernels recompute the activation from the saved inputs instead of storing it.
+
+_GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_A = tl.constexpr(0.044715)
+_ELEMENTWISE_BLOCK = 4096
+
+
+@triton.jit
+def _sigmoid(z):
+    # below z = -88, exp(-z) overflows fp32: harmless on the GPU (1 / inf = 0), but the interpreter
+    # warns; sigmoid(-80) = 2e-35 is as good as 0 for every use here
+    return tl.sigmoid(tl.maximum(z, -80.0))
+
+
+@triton.jit
+def _gelu(x):
+    return x * _sigmoid(2.0 * _GELU_C * (x + _GELU_A * x * x * x))
+
+
+@triton.jit
+def _gelu_grad(x):
+    s = _sigmoid(2.0 * _GELU_C * (x + _GELU_A * x * x * x))
+    return s + 2.0 * x * s * (1.0 - s) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
+
+
+@triton.jit
+def _gelu_fwd_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n).to(tl.float32)
+    tl.store(Y + offs, _gelu(x).to(Y.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def _gelu_bwd_kernel(X, DY, DX, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n).to(tl.float32)
+    dy = tl.load(DY + offs, mask=offs < n).to(tl.float32)
+    tl.store(DX + offs, (dy * _gelu_grad(x)).to(DX.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(G + offs, mask=offs < n).to(tl.float32)
+    u = tl.load(U + offs, mask=offs < n).to(tl.float32)
+    tl.store(Y + offs, (g * _sigmoid(g) * u).to(Y.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
+    # d/dg silu(g) = s (1 + g (1 - s)) with s = sigmoid(g)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(G + offs, mask=offs < n).to(tl.float32)
+    u = tl.load(U + offs, mask=offs < n).to(tl.float32)
+    dy = tl.load(DY + offs, mask=offs < n).to(tl.float32)
+    s = _sigmoid(g)
+    tl.store(DU + offs, (dy * g * s).to(DU.dtype.element_ty), mask=offs < n)
+    tl.store(DG + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=offs < n)
+
+
+def _launch_elementwise(kernel, *tensors):
+    n = tensors[0].numel()
+    kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](*tensors, n, BLOCK=_ELEMENTWISE_BLOCK, num_warps=8)
+
+
+def _gelu_backward(x, dy):
+    dx = torch.empty_like(x)
+    _launch_elementwise(_gelu_bwd_kernel, x, dy.contiguous(), dx)
+    return dx
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.empty_like(x)
+        _launch_elementwise(_gelu_fwd_kernel, x, y)
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return _gelu_backward(x, dy)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        y = torch.empty_like(gate)
+        _launch_elementwise(_swiglu_fwd_kernel, gate, up, y)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        _launch_elementwise(_swiglu_bwd_kernel, gate, up, dy.contiguous(), dgate, dup)
+        return dgate, dup
+
+
+def gelu(x):
+    """GPT-2's GELU (tanh form), elementwise, any shape."""
+    _check("x", x)
+    return _GELU.apply(x)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, elementwise; gate and up of one shape and dtype."""
+    _check("gate", gate)
+    _check("up", up, device=gate.device)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+    return _SwiGLU.apply(gate, up)
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.5 Matmul: grouped ordering, autotuning, a fused epilogue
+# ------------------------------------------------------------------------------------------------
+# C = A @ B does 2MNK FLOPs on (MK + KN + MN) elements: at 4096^3 in bf16 that is 1,365 FLOPs a
+# byte, far past the H200's ridge (790 TFLOP/s over 4.3 TB/s, ~185), so the tensor cores set the
+# pace. Each program computes a BLOCK_M x BLOCK_N tile of C, walking K in steps of BLOCK_K; `tl.dot`
+# on 16-bit tiles becomes Hopper's wgmma, and `num_stages` lets the compiler prefetch the next
+# tiles while the current ones multiply (stage 04 wrote that double buffering by hand). Program
+# order matters for L2: a program needs a row-panel of A and a column-panel of B; numbering
+# programs row by row streams all of B through L2 for every row of tiles, so programs are numbered
+# in groups of GROUP_M tile-rows, column by column inside the group, and programs that run
+# together share panels. The epilogue adds the bias and applies GELU to the fp32 accumulator
+# before the store: the MLP's Linear + GELU then writes its activations once (twice when training
+# keeps the pre-GELU values for the backward) instead of write, read, write.
+
+def _matmul_configs():
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): 8 warps are two warpgroups, each issuing
+    # wgmma on half of the tile; tiles of 128 x 256 keep the tensor cores fed at large sizes, the
+    # smaller ones fill the 132 SMs when M or N is small. A configuration that does not compile for
+    # some input (shared memory) is skipped by the autotuner.
+    if INTERPRET:  # few, wide programs: the interpreter pays per program, not per element
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 4})]
+    tiles = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8),
+             (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
+            for m, n, k, s, w in tiles]
+
+
+def _prune_matmul_configs(configs, named_args, **kwargs):
+    # a tile more than twice the problem in both directions is mostly padding: skip compiling and
+    # timing those (small problems then keep one config, the smallest)
+    M, N = named_args["M"], named_args["N"]
+    fitting = [c for c in configs if c.kwargs["BLOCK_M"] <= 2 * M and c.kwargs["BLOCK_N"] <= 2 * N]
+    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+@triton.autotune(configs=_matmul_configs(), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": _prune_matmul_configs})
+@triton.heuristics({"EVEN_K": lambda meta: meta["K"] % meta["BLOCK_K"] == 0})
+@triton.jit
+def _matmul_kernel(A, B, C, BIAS, PRE, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   stride_cm, stride_cn, APPLY_GELU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    # C (M, N) = A (M, K) @ B (K, N) [+ BIAS (N,)] [then GELU], accumulated in fp32. PRE, when not
+    # None, receives the value before the GELU (its backward needs it) and has C's strides. Every
+    # operand takes any strides, so transposed views (the weight's .t()) need no copy.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n  # programs in one group of GROUP_M tile-rows
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)  # the last group may be shorter
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows and columns past the edge wrap around onto valid ones, whose results are never stored:
+    # the inner loop then needs no mask except on the K tail
+    a_ptrs = A + (offs_m % M).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + offs_k[:, None] * stride_bk + (offs_n % N).to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
+        if _INTERPRET:
+            # Triton 3.6's interpreter multiplies bf16 tiles by their raw bits; fp32 tiles give
+            # the product the tensor cores compute (exact products, fp32 sums)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if BIAS is not None:
+        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    c_offs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if PRE is not None:
+        tl.store(PRE + c_offs, acc.to(PRE.dtype.element_ty), mask=c_mask)
+    if APPLY_GELU:
+        acc = _gelu(acc)
+    tl.store(C + c_offs, acc.to(C.dtype.element_ty), mask=c_mask)
+
+
+def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
+    """out (M, N) = a (M, K) @ b (K, N) [+ bias] [GELU], any strides; pre (like out) gets the value before GELU."""
+    (M, K), N = a.shape, b.shape[1]
+    # fp32 inputs: full-precision products, as torch's default for fp32 matmul (not TF32)
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _matmul_kernel[grid](a, b, out, bias, pre, M, N, K, *a.stride(), *b.stride(), *out.stride(),
+                         APPLY_GELU=apply_gelu, DOT_PRECISION=precision)
+    return out
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, activation):  # a (M, K), b (K, N), bias (N,) or None
+        out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
+        gelu_epilogue = activation == "gelu"
+        # the GELU backward needs its input: keep it (written by the same epilogue) only if training
+        pre = torch.empty_like(out) if gelu_epilogue and any(ctx.needs_input_grad[:3]) else None
+        _mm(a, b, out, bias, pre, gelu_epilogue)
+        ctx.save_for_backward(a, b, pre)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        a, b, pre = ctx.saved_tensors
+        dh = dout if pre is None else _gelu_backward(pre, dout)  # (M, N), gradient before the GELU
+        da = db = dbias = None
+        if ctx.needs_input_grad[0]:
+            da = _mm(dh, b.t(), torch.empty(a.shape, device=a.device, dtype=a.dtype))  # (M, K)
+        if ctx.needs_input_grad[1]:
+            # written in b's own layout (a weight's .t() stays a .t()), so no transposing copy follows
+            db = _mm(a.t(), dh, torch.empty_like(b))  # (K, N)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = _column_sum(dh, dh.dtype)
+        return da, db, dbias, None
+
+
+def matmul(a, b, bias=None, activation=None):
+    """a (..., K) @ b (K, N) [+ bias (N,)], then activation None or "gelu": (..., N) in a's dtype.
+    fp32 accumulation; any strides (b may be a weight's .t()). Under torch.autocast the inputs are
+    cast to the autocast dtype first, as autocast does for F.linear."""
+    if activation not in (None, "gelu"):
+        raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
+    _check("a", a, contiguous=False)
+    _check("b", b, device=a.device, contiguous=False)
+    if bias is not None:
+        _check("bias", bias, device=a.device)
+    if torch.is_autocast_enabled(a.device.type):
+        dtype = torch.get_autocast_dtype(a.device.type)
+        a, b = a.to(dtype), b.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if b.dim() != 2 or a.shape[-1] != b.shape[0]:
+        raise ValueError(f"cannot multiply a {tuple(a.shape)} by b {tuple(b.shape)}: need a (..., K) and b (K, N)")
+    if bias is not None and bias.shape != (b.shape[1],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({b.shape[1]},)")
+    if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        raise TypeError(f"a, b and bias must share a dtype; got {a.dtype}, {b.dtype}"
+                        + ("" if bias is None else f", {bias.dtype}"))
+    out = _Matmul.apply(a.reshape(-1, a.shape[-1]), b, bias, activation)
+    return out.view(*a.shape[:-1], b.shape[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.6 Cross-entropy over a 50,257-token vocabulary without the softmax in memory
+# ------------------------------------------------------------------------------------------------
+# torch's loss on logits (rows, V) writes log_softmax (rows, V), and its backward writes two more
+# tensors of that size: at 8,192 tokens and V = 50,257 each is 0.8 GB in bf16. The loss needs only
+# each row's logsumexp: loss = lse - x[target]. The forward streams each row once, chunk by chunk
+# (the online max of 14.2), and keeps lse (one float a row). The gradient is
+# (softmax(x) - onehot(target)) / n_valid: the backward streams each row again and writes it.
+# With inplace_backward=True it writes into the logits' own buffer, which the loss no longer needs:
+# the loss then costs no memory of size (rows, V) beyond the logits. That is safe when nothing else
+# needs the logits after the loss, as in training, where lm_head's matmul keeps its inputs, not its
+# output; after backward the logits tensor holds the gradient.
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(LOGITS, TARGETS, LOSS, LSE, V, ignore_index, BLOCK_V: tl.constexpr):
+    # LOGITS (rows, V), TARGETS (rows,); LOSS, LSE (rows,) fp32. One program per row.
+    row = tl.program_id(0).to(tl.int64)
+    lse = _row_logsumexp(LOGITS + row * V, V, BLOCK_V)
+    target = tl.load(TARGETS + row)
+    valid = target != ignore_index
+    x_target = tl.load(LOGITS + row * V + target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - x_target, 0.0))
+    tl.store(LSE + row, lse)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(LOGITS, DLOGITS, TARGETS, LSE, SCALE, V, ignore_index, BLOCK_V: tl.constexpr):
+    # DLOGITS (rows, V), possibly LOGITS itself: each element is read before this program writes it.
+    # SCALE: one fp32, d(loss) / n_valid, read on the device so that the host never waits.
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGETS + row)
+    scale = tl.where(target != ignore_index, tl.load(SCALE), 0.0)
+    lse = tl.load(LSE + row)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(LOGITS + row * V + cols, mask=cols < V, other=0.0).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+        tl.store(DLOGITS + row * V + cols, grad.to(DLOGITS.dtype.element_ty), mask=cols < V)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, inplace_backward):  # logits (rows, V), targets (rows,)
+        n_rows, vocab = logits.shape
+        losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+        lse = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+        _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, lse, vocab, ignore_index,
+                                             BLOCK_V=_CHUNK, num_warps=8)
+        n_valid = (targets != ignore_index).sum()
+        ctx.save_for_backward(logits, targets, lse, n_valid)
+        ctx.ignore_index, ctx.inplace_backward = ignore_index, inplace_backward
+        return losses.sum() / n_valid
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dloss):
+        logits, targets, lse, n_valid = ctx.saved_tensors
+        dlogits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        scale = (dloss / n_valid).float()
+        _cross_entropy_bwd_kernel[(logits.shape[0],)](logits, dlogits, targets, lse, scale, logits.shape[1],
+                                                      ctx.ignore_index, BLOCK_V=_CHUNK, num_warps=8)
+        return dlogits, None, None, None
+
+
+def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
+    """Mean cross-entropy of logits (..., V) against integer targets (...), skipping targets equal
+    to ignore_index; an fp32 scalar. inplace_backward=True writes the gradient over the logits
+    (see above). Checking the targets' range reads one bool back from the GPU."""
+    _check("logits", logits)
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be an int64 or int32 tensor, not {getattr(targets, 'dtype', type(targets))}")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets have shape {tuple(targets.shape)}; expected {tuple(logits.shape[:-1])} "
+                         f"for logits {tuple(logits.shape)}")
+    # targets are small: a strided view (say y = x[:, 1:]) is copied rather than refused
+    _check("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
+           contiguous=False)
+    vocab = logits.shape[-1]
+    if (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():
+        raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index ({ignore_index})")
+    return _CrossEntropy.apply(logits.view(-1, vocab), targets.reshape(-1), ignore_index,
+                               inplace_backward)
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.7 The GPT on Triton kernels
+# ------------------------------------------------------------------------------------------------
+# Each twin below is a subclass with no state of its own, so use_triton_kernels switches a module's
+# class in place: parameters, buffers, weight tying and checkpoints are untouched, and the model
+# code of stage 03 runs unchanged. The attention scores still come from torch's batched matmuls
+# (stage 06 replaces the whole attention with one kernel); their softmax runs here.
+
+class TritonLayerNorm(LayerNorm):
+    def forward(self, x):
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class TritonGELU(GELU):
+    def forward(self, x):
+        return gelu(x)
+
+
+class TritonLinear(nn.Linear):
+    def forward(self, x):
+        return matmul(x, self.weight.t(), self.bias)
+
+
+class TritonMLP(MLP):
+    def forward(self, x):  # x (B, T, C)
+        h = matmul(x, self.c_fc.weight.t(), self.c_fc.bias, activation="gelu")  # (B, T, 4C), GELU fused
+        return self.dropout(self.c_proj(h))
+
+
+class TritonAttention(MultiHeadAttention):
+    def attend(self, q, k, v):  # q, k, v (B, H, T, D)
+        T, D = q.shape[-2:]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(D)  # (B, H, T, T)
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
+        att = self.attn_dropout(softmax(att))
+        return att @ v  # (B, H, T, D)
+
+
+def use_triton_kernels(model):
+    """Switch every LayerNorm, GELU, Linear, MLP and attention in `model` to its Triton twin, in place."""
+    twins = {LayerNorm: TritonLayerNorm, GELU: TritonGELU, nn.Linear: TritonLinear, MLP: TritonMLP,
+             MultiHeadAttention: TritonAttention}
+    for module in model.modules():
+        twin = twins.get(type(module))
+        if twin is not None:
+            module.__class__ = twin
+    return model
+
+
+def triton_loss_fn(logits, targets):
+    """loss_fn on the Triton cross-entropy. Its backward overwrites the logits with their gradient
+    (the training loop does not read them after the loss)."""
+    return cross_entropy(logits, targets, inplace_backward=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# 14.8 Checks and benchmarks
+# ------------------------------------------------------------------------------------------------
+
+def demo_triton(device):
+    """Each kernel once at small awkward sizes, forward and backward, against torch in float64."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=torch.float32)
+
+    def rel_err(ours, ref):
+        return ((ours.double() - ref).norm() / ref.norm()).item()
+
+    x, w, b = randn(5, 67), randn(67), randn(67)
+    a, m, bias = randn(33, 65), randn(65, 47), randn(47)
+    logits, targets = randn(7, 1031), torch.randint(1031, (7,), generator=gen).to(device)
+    targets[3] = -100
+    cases = [
+        ("vector_add", lambda t: vector_add(t[0], t[1]), lambda t: t[0] + t[1], (x, x.flip(0))),
+        ("softmax", lambda t: softmax(t[0]), lambda t: torch.softmax(t[0], -1), (x,)),
+        ("layer_norm", lambda t: layer_norm(*t), lambda t: F.layer_norm(t[0], t[0].shape[-1:], t[1], t[2]), (x, w, b)),
+        ("rms_norm", lambda t: rms_norm(*t), lambda t: F.rms_norm(t[0], t[0].shape[-1:], t[1], 1e-6), (x, w)),
+        ("gelu", lambda t: gelu(t[0]), lambda t: F.gelu(t[0], approximate="tanh"), (x,)),
+        ("swiglu", lambda t: swiglu(*t), lambda t: F.silu(t[0]) * t[1], (x, x.flip(1))),
+        ("matmul+bias+gelu", lambda t: matmul(*t, activation="gelu"),
+         lambda t: F.gelu(t[0] @ t[1] + t[2], approximate="tanh"), (a, m, bias)),
+        ("cross_entropy", lambda t: cross_entropy(t[0], targets), lambda t: F.cross_entropy(t[0], targets), (logits,)),
+    ]
+    print(f"Triton kernels on {device}{' (interpreter)' if INTERPRET else ''}, against torch in float64:")
+    for name, ours_fn, ref_fn, inputs in cases:
+        ours_in = [t.detach().clone().requires_grad_() for t in inputs]
+        ref_in = [t.detach().double().requires_grad_() for t in inputs]
+        ours, ref = ours_fn(ours_in), ref_fn(ref_in)
+        weights = torch.randn(ref.shape, generator=gen, dtype=torch.float64).to(device)
+        line = f"  {name:<18} forward rel err {rel_err(ours, ref):.1e}"
+        if name != "vector_add":
+            (ours * weights.float()).sum().backward()
+            (ref * weights).sum().backward()
+            line += f"   backward {max(rel_err(o.grad, r.grad) for o, r in zip(ours_in, ref_in)):.1e}"
+        print(line)
+
+
+_BENCH_BYTES = 256 * 2**20  # bytes per input tensor of the bandwidth benchmarks: far past the 50 MB L2
+
+
+def _ms(fn):
+    """Median milliseconds of fn() on the GPU; the first call (compiling, autotuning) is not timed."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _extra_peak_mib(fn):
+    """MiB that fn() allocates on the GPU at its peak, above what was allocated before it ran."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def _bench_copy_gbs():
+    x = torch.randn(_BENCH_BYTES, device="cuda", dtype=torch.float32)  # 1 GiB
+    y = torch.empty_like(x)
+    gbs = 2 * x.nbytes / _ms(lambda: y.copy_(x)) / 1e6
+    print(f"device-to-device copy: {gbs:,.0f} GB/s (bytes read + written); the bandwidth kernels' limit")
+    return gbs
+
+
+def _bench_bandwidth(copy_gbs, rows=(1024, 4096, 16384), flat=(4096,)):
+    """Row kernels (rows of each width in `rows`) and elementwise kernels: GB/s against torch eager
+    and torch.compile, on _BENCH_BYTES per input tensor."""
+    ops = [  # name, torch, ours (each a function of x, w, b, other), tensors of x's size moved, widths
+        ("softmax", lambda x, w, b, o: torch.softmax(x, -1), lambda x, w, b, o: softmax(x), 2, rows),
+        ("layer_norm", lambda x, w, b, o: F.layer_norm(x, x.shape[-1:], w, b),
+         lambda x, w, b, o: layer_norm(x, w, b), 2, rows),
+        ("rms_norm", lambda x, w, b, o: F.rms_norm(x, x.shape[-1:], w, 1e-6),
+         lambda x, w, b, o: rms_norm(x, w), 2, rows),
+        ("gelu", lambda x, w, b, o: F.gelu(x, approximate="tanh"), lambda x, w, b, o: gelu(x), 2, flat),
+        ("swiglu", lambda x, w, b, o: F.silu(x) * o, lambda x, w, b, o: swiglu(x, o), 3, flat),
+        ("vector_add", lambda x, w, b, o: x + o, lambda x, w, b, o: vector_add(x, o), 3, flat),
+    ]
+    print(f"\n{'kernel':<11}{'dtype':<9}{'N':>6} | {'torch GB/s':>15} {'compile GB/s':>15} {'triton GB/s':>15}"
+          f" | triton/compile   (% of copy bandwidth)")
+    results = []
+    for name, torch_fn, ours_fn, passes, widths in ops:
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in widths:
+                x = torch.randn(_BENCH_BYTES // (n * torch.finfo(dtype).bits // 8), n, device="cuda", dtype=dtype)
+                w, b = torch.randn(n, device="cuda", dtype=dtype), torch.randn(n, device="cuda", dtype=dtype)
+                o = torch.randn_like(x) if passes == 3 else None
+                torch.compiler.reset()
+                compiled = torch.compile(torch_fn, dynamic=False)
+                gbs = {label: passes * x.nbytes / _ms(lambda f=f: f(x, w, b, o)) / 1e6
+                       for label, f in (("torch", torch_fn), ("compile", compiled), ("triton", ours_fn))}
+                cells = " ".join(f"{gbs[k]:>7,.0f} ({gbs[k] / copy_gbs:>4.0%})" for k in ("torch", "compile", "triton"))
+                print(f"{name:<11}{str(dtype)[6:]:<9}{n:>6} | {cells} | {gbs['triton'] / gbs['compile']:.2f}x")
+                results.append({"kernel": name, "dtype": str(dtype)[6:], "N": n, **gbs, "copy": copy_gbs})
+                del x, w, b, o
+    return results
+
+
+def _bench_matmul(shapes=(((4096, 4096, 4096), False), ((8192, 8192, 8192), False), ((16384, 3072, 768), True))):
+    """bf16 matmul against cuBLAS; with the fused bias + GELU epilogue (the last default shape, GPT-2's
+    MLP up-projection at 16,384 tokens) against eager and compiled torch. shapes: ((M, N, K), epilogue)."""
+    print(f"\n{'matmul (bf16)':<34} | {'cuBLAS TFLOP/s':>15} {'compile TFLOP/s':>16} {'triton TFLOP/s':>15}"
+          " | triton/cuBLAS")
+    results = []
+    for (m, n, k), epilogue in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        if epilogue:
+            torch_fn = lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")  # noqa: E731
+            ours_fn = lambda: matmul(a, b, bias, activation="gelu")  # noqa: E731
+        else:
+            torch_fn, ours_fn = (lambda: a @ b), (lambda: matmul(a, b))
+        torch.compiler.reset()
+        compiled = torch.compile(torch_fn) if epilogue else None  # plain matmul: compile calls cuBLAS too
+        tflops = {label: 2 * m * n * k / _ms(f) / 1e9
+                  for label, f in (("cublas", torch_fn), ("compile", compiled), ("triton", ours_fn)) if f is not None}
+        label = f"{m}x{n}x{k}" + (" +bias+GELU" if epilogue else "")
+        print(f"{label:<34} | {tflops['cublas']:>15,.0f} {tflops.get('compile', float('nan')):>16,.0f} "
+              f"{tflops['triton']:>15,.0f} | {tflops['triton'] / tflops['cublas']:.2f}x")
+        results.append({"shape": label, **tflops})
+    return results
+
+
+def _bench_cross_entropy(n_rows=8192, vocab=50257):
+    """Loss forward + backward over bf16 logits: time and peak memory against torch's loss."""
+    base = torch.randn(n_rows, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(vocab, (n_rows,), device="cuda")
+    logits_mib = base.nbytes / 2**20
+
+    def step(loss_fn):
+        logits = base.view(n_rows, vocab)  # a non-leaf view, as a model's logits are
+        (grad,) = torch.autograd.grad(loss_fn(logits, targets), logits)
+        return grad
+
+    torch.compiler.reset()
+    variants = [("torch F.cross_entropy", F.cross_entropy), ("torch.compile", torch.compile(F.cross_entropy)),
+                ("triton", cross_entropy),
+                # last: it overwrites `base` with gradients, which the timing does not mind
+                ("triton inplace_backward", lambda lg, t: cross_entropy(lg, t, inplace_backward=True))]
+    print(f"\ncross-entropy fwd+bwd, {n_rows} x {vocab} bf16 logits ({logits_mib:,.0f} MiB) | "
+          f"{'ms':>6} {'peak MiB incl. logits':>22} {'vs torch':>9}")
+    results = []
+    for label, fn in variants:
+        ms = _ms(lambda: step(fn))
+        peak = logits_mib + _extra_peak_mib(lambda: step(fn))
+        results.append({"variant": label, "ms": ms, "peak_mib": peak})
+        print(f"{label:<63} | {ms:>6.2f} {peak:>22,.0f} {results[0]['peak_mib'] / peak:>8.1f}x")
+    return results
+
+
+def bench_kernels():
+    """--bench: every kernel against torch eager and torch.compile in one run."""
+    if not torch.cuda.is_available():
+        print("--bench needs a CUDA GPU (the interpreter shows correctness, not speed); skipped.")
+        return {}
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    copy_gbs = _bench_copy_gbs()
+    return {"copy_gbs": copy_gbs, "bandwidth": _bench_bandwidth(copy_gbs), "matmul": _bench_matmul(),
+            "cross_entropy": _bench_cross_entropy()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 15. FlashAttention
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 06: attention as one fused kernel, forward and backward.
+#
+# Legend: B batch, Hq query heads, Hkv key/value heads (Hq = G * Hkv: G query heads share one kv
+# head, grouped-query attention), T query positions, S key positions, D head size.
+#
+# Why naive attention is memory-bound. `naive_attention` computes the (T, S) scores of every
+# head, writes them to device memory, reads them back for the softmax, writes the probabilities
+# and reads them again for P @ V: four passes over B*Hq*T*S elements, more in training, where the
+# probabilities are also saved for the backward pass. At B=4 Hq=16 T=S=4096 in bf16 that is
+# 2.1 GB a pass, 8.6 GB or 2 ms at 4.3 TB/s, while the arithmetic, 4*B*Hq*T*S*D = 550 GFLOP at
+# D=128, takes 0.7 ms at 790 TFLOP/s, and q, k, v and the output are 268 MB in all. The scores,
+# not the math, set the time, and their memory grows as T*S.
+#
+# The fix: never write the scores. Keep one block of queries on chip, stream the keys and values
+# past it one block at a time, and carry the softmax along. A softmax needs each row's maximum
+# (for stability) and sum (to normalize) before it can weigh the values, so keep a running
+# maximum m and a running sum l, and when a new block raises the maximum, rescale what was
+# accumulated so far by exp(m_old - m_new): the online softmax. The output is divided by l once,
+# at the end, and m + log(l), the log-sum-exp, is saved so that the backward pass can recompute
+# the probabilities block by block instead of storing them. Memory becomes O(T * D), and the
+# kernel is bound by the tensor cores instead of by memory.
+#
+# Masks. Query i may attend key j iff j < S and, when causal, j <= i + (S - T): the causal mask
+# is aligned to the bottom-right corner, which is what decoding with a KV cache needs (the T new
+# queries are the last T of S positions). If T > S, the first T - S queries see no key at all:
+# their output is 0 and their log-sum-exp -inf, with no NaN anywhere, gradients included.
+# The log-sum-exp is returned in natural log. The kernels work in base 2 throughout (exp2 is one
+# instruction, exp is exp2 plus a multiply), with log2(e) folded into the softmax scale.
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(x) = log2(x) * LN2
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+def _expand_kv(q, k, v):
+    """Repeat each kv head for the G query heads that share it: (B, Hkv, S, D) -> (B, Hq, S, D)."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def _visible_mask(T, S, causal, device):
+    """(T, S) bool: query i may attend key j (bottom-right aligned when causal)."""
+    if not causal:
+        return torch.ones(T, S, dtype=torch.bool, device=device)
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    return j <= i + (S - T)
+
+
+def naive_attention(q, k, v, causal=True, sm_scale=None):
+    """Attention that materializes the (T, S) scores, in the inputs' dtype (float64 makes it the
+    tests' reference). Returns out (B, Hq, T, D) and the log-sum-exp (B, Hq, T), natural log.
+    Rows that see no key get out = 0 and lse = -inf, with finite gradients."""
+    D, T, S = q.shape[-1], q.shape[2], k.shape[2]
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    k, v = _expand_kv(q, k, v)  # (B, Hq, S, D)
+    visible = _visible_mask(T, S, causal, q.device)  # (T, S)
+    empty = ~visible.any(dim=-1, keepdim=True)  # (T, 1): rows with nothing to attend to
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, Hq, T, S): the matrix FlashAttention avoids
+    # Empty rows get scores 0 rather than all -inf, whose logsumexp has a NaN gradient; their
+    # output and lse are overwritten below.
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, Hq, T, 1)
+    p = torch.exp(scores - lse).masked_fill(empty, 0.0)  # the softmax, (B, Hq, T, S)
+    out = p @ v  # (B, Hq, T, D)
+    return out, lse.squeeze(-1).masked_fill(empty.squeeze(-1), float("-inf"))
+
+
+def tiled_attention_torch(q, k, v, causal=True, sm_scale=None, block_n=64):
+    """The online softmax in plain torch, one block of keys at a time: what the Triton forward
+    kernel does for each (query block, head) in parallel. Step through it and watch m, l and acc.
+    Computes in float32; returns out (B, Hq, T, D) in q's dtype and the lse (B, Hq, T)."""
+    B, Hq, T, D = q.shape
+    S = k.shape[2]
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    k, v = _expand_kv(q, k, v)  # (B, Hq, S, D)
+    qf = q.float()
+    i = torch.arange(T, device=q.device)[:, None]  # (T, 1): query positions
+    m = torch.full((B, Hq, T, 1), float("-inf"), device=q.device)  # running row maximum
+    l = torch.zeros(B, Hq, T, 1, device=q.device)  # running row sum of exp(score - m)
+    acc = torch.zeros(B, Hq, T, D, device=q.device)  # running sum of exp(score - m) * v
+    for start in range(0, S, block_n):
+        kb = k[:, :, start:start + block_n].float()  # (B, Hq, n, D)
+        vb = v[:, :, start:start + block_n].float()
+        s = (qf @ kb.transpose(-2, -1)) * scale  # (B, Hq, T, n): one block of scores
+        if causal:
+            j = torch.arange(start, start + kb.shape[2], device=q.device)[None, :]  # (1, n)
+            s = s.masked_fill(j > i + (S - T), float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        # a row that has seen no visible key yet still has m = -inf: subtract 0 instead, so
+        # that exp(-inf - m) is 0, not NaN
+        m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)
+        p = torch.exp(s - m_sub)  # (B, Hq, T, n)
+        alpha = torch.exp(m - m_sub)  # shrinks what was summed under the old, smaller maximum
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + p @ vb
+        m = m_new
+    empty = l == 0  # rows that saw no key at all
+    out = (acc / l.masked_fill(empty, 1.0)).to(q.dtype)
+    lse = (m + torch.log(l)).masked_fill(empty, float("-inf"))
+    return out, lse.squeeze(-1)
+
+
+# Triton kernels. Every tile moves through a tensor descriptor: on Hopper the copy engine (TMA)
+# fetches it into shared memory, where the tensor cores read it, and rows past the end of T or S
+# come back as zeros, so no load needs a mask. The kernels are autotuned per head size, mask,
+# dtype and sequence-length bucket (the next power of two, 128 to 16384), not per exact length:
+# generation, whose length grows by one each step, then tunes a handful of times, not each step.
+
+
+def _seq_bucket(n):
+    return min(max(triton.next_power_of_2(n), 128), 16384)
+
+
+def _bench_or_skip(kernel_call, quantiles):
+    """Autotuner timing that scores a configuration the compiler rejects (warp specialization it
+    cannot lower, say) as infinitely slow instead of ending the search. If every configuration
+    fails, the launch that follows raises the compiler's error."""
+    try:
+        return triton.testing.do_bench(kernel_call, quantiles=quantiles)
+    except triton.runtime.errors.OutOfResources:
+        raise  # the autotuner skips these itself, quietly
+    except Exception as err:  # noqa: BLE001 (any compile failure of one configuration)
+        lines = str(err).strip().splitlines()
+        warnings.warn(f"flash attention autotune: skipping a configuration "
+                      f"({type(err).__name__}: {lines[0] if lines else ''})")
+        return [float("inf")] * len(quantiles)
+
+
+def _config(block_m, block_n, warps, stages, head_dims=(32, 64, 128), warp_specialize=None):
+    """A launch configuration, offered for the head sizes in head_dims only."""
+    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n}
+    if warp_specialize is not None:
+        kwargs["WARP_SPECIALIZE"] = warp_specialize
+    config = triton.Config(kwargs, num_warps=warps, num_stages=stages)
+    config.head_dims = head_dims
+    return config
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """The configurations made for this head size. Warp specialization only where the forward
+    has a single key loop, the one shape Triton 3.6 can specialize: no causal mask, and S a
+    multiple of every BLOCK_N (EVEN_S). float32 inputs, there for checking rather than speed,
+    get the first configuration untuned: each of their compiles takes seconds."""
+    kept = [c for c in configs if kwargs["D"] in c.head_dims]
+    if kwargs["CAUSAL"] or not kwargs.get("EVEN_S", False):
+        kept = [c for c in kept if not c.kwargs.get("WARP_SPECIALIZE", False)]
+    if named_args and named_args["Q"].dtype == torch.float32:
+        kept = kept[:1]
+    return kept
+
+
+# Tile shapes: each candidate was compiled for sm_90a and kept if it fits shared memory (227 KB)
+# and spills no registers, or a few bytes (the causal dK/dV at D=256 spills more). Under the
+# interpreter, one small configuration per kernel, with BLOCK_M != BLOCK_N to exercise that too.
+if INTERPRET:
+    _FWD_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS, False)]
+    _DKDV_CONFIGS = [_config(16, 32, 4, 1, HEAD_DIMS)]
+    _DQ_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS)]
+else:
+    # Forward: 128 query rows, 64 or 128 keys a step. 8 warps are two warpgroups of 64 rows (4
+    # spill at D=128). Warp-specialized: 4 warps asked for, and the compiler adds a producer
+    # warpgroup that issues the TMA loads and splits the rows over two consumer warpgroups.
+    _FWD_CONFIGS = (
+        [_config(128, n, 8, s, warp_specialize=False)
+         for n, s in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))]
+        + [_config(128, n, 4, s, (32, 64), False) for n, s in ((64, 2), (64, 3), (128, 2))]
+        + [_config(128, n, 4, s, warp_specialize=True) for n, s in ((64, 2), (64, 3), (128, 2))]
+        + [_config(64, n, 8, 2, (256,), False) for n in (32, 64)]
+    )
+    # dK/dV: the key block (BLOCK_N rows) stays, with two float32 accumulators of BLOCK_N * D;
+    # query blocks of BLOCK_M rows stream past.
+    _DKDV_CONFIGS = [
+        _config(32, 128, 8, 2), _config(32, 128, 8, 3), _config(16, 128, 8, 2),
+        _config(16, 128, 8, 3), _config(32, 64, 4, 2), _config(64, 128, 8, 2, (32, 64)),
+        _config(16, 64, 8, 2, (256,)), _config(32, 64, 8, 2, (256,)),
+    ]
+    # dQ: the query block stays, with q, dO and one accumulator; key blocks stream past.
+    _DQ_CONFIGS = [
+        _config(128, 64, 8, 2), _config(128, 64, 8, 3), _config(128, 32, 8, 2),
+        _config(128, 32, 8, 3), _config(64, 64, 8, 2), _config(64, 64, 4, 2),
+        _config(128, 128, 8, 2, (32, 64)), _config(64, 32, 8, 2, (256,)),
+        _config(64, 16, 8, 2, (256,)),
+    ]
+
+
+@triton.jit
+def _visible(i, j, T, S, CAUSAL: tl.constexpr):
+    """Query i may attend key j: both inside their sequences, and j <= i + (S - T) if causal.
+    i and j broadcast: (M, 1) and (1, N) give an (M, N) mask."""
+    keep = (i < T) & (j < S)
+    if CAUSAL:
+        keep = keep & (j <= i + (S - T))
+    return keep
+
+
+@triton.jit
+def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, lo, hi, offs_m, T, S, qk_scale,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                 WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) for one query block. m_i, l_i: running max
+    and sum, base 2; acc (BLOCK_M, D): the unnormalized output. MASKED=False is for blocks where
+    every query sees every key: no mask arithmetic, and one FMA per score."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+        qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) raw scores
+        if MASKED:
+            keep = _visible(offs_m[:, None], (start_n + offs_n)[None, :], T, S, CAUSAL)
+            s = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with no visible key so far keeps m = -inf: subtract 0, so exp2 gives 0
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
+        else:
+            # the scale is positive, so it commutes with the max; qk * scale - m is one FMA
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([start_n, 0])  # (BLOCK_N, D)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["T_BUCKET", "S_BUCKET", "D", "CAUSAL", "EVEN_S"],
+                 prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_bench_or_skip)
+@triton.jit(do_not_specialize=["T", "S"])
+def _flash_fwd_kernel(Q, K, V, O, LSE2, qk_scale,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                      stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                      Hq, GROUP, T, S, T_BUCKET, S_BUCKET,
+                      D: tl.constexpr, CAUSAL: tl.constexpr, EVEN_S: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WARP_SPECIALIZE: tl.constexpr):
+    """One program per (query block, batch * query head).
+    Q, O (B, Hq, T, D) and K, V (B, Hkv, S, D): any strides, unit last stride. LSE2 (B, Hq, T)
+    float32: the log-sum-exp in base 2. qk_scale = sm_scale * log2(e). GROUP = Hq // Hkv: query
+    head h reads kv head h // GROUP. EVEN_S: S is a multiple of 128, so without the causal mask
+    no key block needs masking. T_BUCKET, S_BUCKET: autotune keys only."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        # later query blocks see more keys: start them first, so short ones fill the last wave
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    kvh = h // GROUP
+    # one descriptor per head: (T or S, D) with its row stride
+    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, D],
+                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, D])
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[S, D],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, D])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[S, D],
+                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, D])
+    o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[T, D],
+                                       strides=[stride_ot, 1], block_shape=[BLOCK_M, D])
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([start_m, 0])  # (BLOCK_M, D), stays on chip for the whole loop
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # Keys [0, full) are visible to every row of this block; [full, hi) need the mask (the
+    # diagonal and the ragged end of S); keys from hi on are visible to none and are skipped.
+    if CAUSAL:
+        hi = tl.minimum(S, tl.maximum(start_m + BLOCK_M + (S - T), 0))
+        full = tl.minimum(S, tl.maximum(start_m + 1 + (S - T), 0))
+    else:
+        hi = S
+        full = S
+    full = full // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, 0, full, offs_m, T, S,
+                                 qk_scale, BLOCK_N, CAUSAL, False, WARP_SPECIALIZE, DOT_PRECISION)
+    if CAUSAL or not EVEN_S:
+        acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, full, hi, offs_m, T, S,
+                                     qk_scale, BLOCK_N, CAUSAL, True, False, DOT_PRECISION)
+    empty = l_i == 0.0  # rows that saw no key: output 0, lse -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_desc.store([start_m, 0], (acc / l_safe[:, None]).to(q.dtype))  # rows past T are dropped
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    tl.store(LSE2 + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=offs_m < T)
+
+
+# Backward (FlashAttention-2). With P = softmax(scale * Q K^T) recomputed from the saved lse,
+#   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ = scale dS K,   dK = scale dS^T Q,
+# where delta = rowsum(dO * O) = rowsum(P * dP), one number per query row, is computed first.
+# dK and dV are sums over query rows and dQ a sum over key rows, hence two kernels: one program
+# per key block, looping over the query blocks (and over the G query heads that share its kv
+# head, which sums GQA's contributions in registers, no atomics); and one program per query
+# block, looping over the key blocks. Recomputing P in both costs two extra matmuls (seven, not
+# five); it buys freedom from atomics, and gradients that are the same on every run.
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot,
+                           stride_dob, stride_doh, stride_dot, Hq, T,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) (B, Hq, T) in float32. One program per (row block, batch * head)."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rows = offs_m[:, None] < T
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+                mask=rows, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot
+                 + offs_d[None, :], mask=rows, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _bwd_dkdv_loop(dk, dv, k, v, q_desc, do_desc, h, lse2_ptr, delta_ptr, lo, hi, offs_n, T, S,
+                   qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Accumulate dk, dv (BLOCK_N, D) of one key block over the query blocks [lo, hi) of head h,
+    on transposed scores (BLOCK_N, BLOCK_M) so that dV += P^T dO needs no transpose. Rows past
+    T need no mask: q and dO read as 0 there, which zeroes their terms."""
+    # The masked loop covers a few blocks on the diagonal. Unpipelined it needs fewer registers,
+    # and the kernel's register budget is set by its hungriest loop.
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASKED else None):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, D])  # (BLOCK_M, D)
+        do = do_desc.load([h, start_m, 0]).reshape([BLOCK_M, D])
+        lse2 = tl.load(lse2_ptr + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < T, other=0.0)
+        qk_t = tl.dot(k, q.T, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # P^T, recomputed
+        if MASKED:
+            # where, not a multiply: rows that see no key have lse = -inf, so exp2 gave inf
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (S - T), p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, do.T, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=["T_BUCKET", "S_BUCKET", "D", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_bench_or_skip)
+@triton.jit(do_not_specialize=["T", "S"])
+def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, qk_scale, sm_scale,
+                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                           stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                           stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+                           Hq, GROUP, T, S, T_BUCKET, S_BUCKET,
+                           D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (key block, batch * kv head): loops over the GROUP query heads of that kv
+    head and, for each, over the query blocks that can see this key block."""
+    pid_bkv = tl.program_id(1)
+    Hkv = Hq // GROUP
+    b = (pid_bkv // Hkv).to(tl.int64)
+    kvh = (pid_bkv % Hkv).to(tl.int64)
+    start_n = tl.program_id(0) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[S, D],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, D])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[S, D],
+                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, D])
+    # q and dO of all heads of batch b, (Hq, T, D): one descriptor serves the whole head loop
+    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb, shape=[Hq, T, D],
+                                       strides=[stride_qh, stride_qt, 1],
+                                       block_shape=[1, BLOCK_M, D])
+    do_desc = tl.make_tensor_descriptor(DO + b * stride_dob, shape=[Hq, T, D],
+                                        strides=[stride_doh, stride_dot, 1],
+                                        block_shape=[1, BLOCK_M, D])
+    # k and v stay in shared memory, where the tensor cores read them; in registers they would
+    # cost 2 * BLOCK_N * D / threads of them beside the accumulators, and spill
+    k = k_desc.load([start_n, 0])  # (BLOCK_N, D), zero past S
+    v = v_desc.load([start_n, 0])
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    # Query blocks [lo, mid) straddle the diagonal (masked); from mid on every query sees every
+    # key of this block; queries before lo see none of them.
+    if CAUSAL:
+        lo = tl.maximum(start_n - (S - T), 0) // BLOCK_M * BLOCK_M
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - (S - T), 0), BLOCK_M) * BLOCK_M
+        mid = tl.minimum(mid, T)
+    else:
+        lo = 0
+        mid = 0
+    for g in range(GROUP):
+        h = (kvh * GROUP + g).to(tl.int32)
+        lse2_ptr = LSE2 + (b * Hq + h) * T
+        delta_ptr = DELTA + (b * Hq + h) * T
+        if CAUSAL:
+            dk, dv = _bwd_dkdv_loop(dk, dv, k, v, q_desc, do_desc, h, lse2_ptr, delta_ptr, lo,
+                                    mid, offs_n, T, S, qk_scale, D, BLOCK_M, True, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_loop(dk, dv, k, v, q_desc, do_desc, h, lse2_ptr, delta_ptr, mid, T,
+                                offs_n, T, S, qk_scale, D, BLOCK_M, False, DOT_PRECISION)
+    dk_desc = tl.make_tensor_descriptor(DK + b * stride_dkb + kvh * stride_dkh, shape=[S, D],
+                                        strides=[stride_dkt, 1], block_shape=[BLOCK_N, D])
+    dv_desc = tl.make_tensor_descriptor(DV + b * stride_dvb + kvh * stride_dvh, shape=[S, D],
+                                        strides=[stride_dvt, 1], block_shape=[BLOCK_N, D])
+    dk_desc.store([start_n, 0], (dk * sm_scale).to(DK.dtype.element_ty))  # rows past S dropped
+    dv_desc.store([start_n, 0], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _bwd_dq_loop(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, offs_m, T, S, qk_scale,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Accumulate dq (BLOCK_M, D) of one query block over the key blocks [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+        v = v_desc.load([start_n, 0])
+        qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = _visible(offs_m[:, None], (start_n + offs_n)[None, :], T, S, CAUSAL)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, v.T, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=["T_BUCKET", "S_BUCKET", "D", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_bench_or_skip)
+@triton.jit(do_not_specialize=["T", "S"])
+def _flash_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, qk_scale, sm_scale,
+                         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                         stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                         stride_dqb, stride_dqh, stride_dqt,
+                         Hq, GROUP, T, S, T_BUCKET, S_BUCKET,
+                         D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query block, batch * query head): loops over the visible key blocks."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # longest rows first, as in the forward
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    kvh = h // GROUP
+    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, D],
+                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, D])
+    do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[T, D],
+                                        strides=[stride_dot, 1], block_shape=[BLOCK_M, D])
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[S, D],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, D])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[S, D],
+                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, D])
+    dq_desc = tl.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[T, D],
+                                        strides=[stride_dqt, 1], block_shape=[BLOCK_M, D])
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([start_m, 0])  # (BLOCK_M, D)
+    do = do_desc.load([start_m, 0])
+    lse2 = tl.load(LSE2 + pid_bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:  # the key ranges of the forward
+        hi = tl.minimum(S, tl.maximum(start_m + BLOCK_M + (S - T), 0))
+        full = tl.minimum(S, tl.maximum(start_m + 1 + (S - T), 0))
+    else:
+        hi = S
+        full = S
+    full = full // BLOCK_N * BLOCK_N
+    dq = _bwd_dq_loop(dq, q, do, lse2, delta, k_desc, v_desc, 0, full, offs_m, T, S, qk_scale,
+                      BLOCK_N, CAUSAL, False, DOT_PRECISION)
+    dq = _bwd_dq_loop(dq, q, do, lse2, delta, k_desc, v_desc, full, hi, offs_m, T, S, qk_scale,
+                      BLOCK_N, CAUSAL, True, DOT_PRECISION)
+    dq_desc.store([start_m, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
+
+
+# Python wrappers: check, allocate, launch.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v, sm_scale):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, "
+                            f"got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D (B, H, T, D), "
+                             f"got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"flash_attention: k and v must have the same shape, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    (B, Hq, T, D), (Bk, Hkv, S, Dk) = q.shape, k.shape
+    if B != Bk:
+        raise ValueError(f"flash_attention: batch sizes differ: q has {B}, k and v have {Bk}")
+    if D != Dk:
+        raise ValueError(f"flash_attention: head sizes differ: q has D={D}, k and v have D={Dk}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"flash_attention: query heads ({Hq}) must be a multiple of "
+                         f"kv heads ({Hkv})")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"flash_attention: head size D={D} is not supported; "
+                         f"use one of {HEAD_DIMS}")
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(f"flash_attention: empty input (q {tuple(q.shape)}, k {tuple(k.shape)})")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"flash_attention: q, k, v must share a dtype, "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported; "
+                        f"use float16, bfloat16 or float32")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"flash_attention: q, k, v must be on one device, "
+                         f"got {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and INTERPRET):
+        raise ValueError(f"flash_attention: tensors on {q.device} need a CUDA device (or, on the "
+                         f"CPU, Triton's interpreter: TRITON_INTERPRET=1 before triton loads)")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"flash_attention: sm_scale must be positive, got {sm_scale}")
+
+
+def _kernel_ready(x):
+    """The kernels take any strides, but a tensor descriptor needs a unit last stride and a
+    16-byte aligned start and row strides: anything else is copied once."""
+    size = x.element_size()
+    aligned = x.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in x.stride()[:-1])
+    return x if x.stride(-1) == 1 and aligned else x.contiguous()
+
+
+def _dot_precision(dtype):
+    """float32 inputs: each product as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi),
+    good to about 1e-6, where plain tf32 (Triton's default) keeps 10 mantissa bits and "ieee"
+    leaves the tensor cores. float16 and bfloat16 ignore the setting."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _launch(kernel, grid, *args, **meta):
+    """Launch. Tensor descriptors built inside a kernel live in a small global scratch buffer,
+    which Triton allocates through set_allocator. A head size that fits no tile configuration
+    (D=256 in float32, say) becomes a clear error."""
+    triton.set_allocator(_scratch)
+    try:
+        kernel[grid](*args, **meta)
+    except triton.runtime.errors.OutOfResources as err:
+        raise ValueError(f"flash_attention: D={meta['D']} does not fit this GPU's shared memory "
+                         f"in {args[0].dtype} ({err}); use a smaller head size or bf16/fp16"
+                         ) from err
+
+
+def _flash_forward(q, k, v, causal, sm_scale):
+    """q (B, Hq, T, D), k, v (B, Hkv, S, D) -> out (B, Hq, T, D), lse2 (B, Hq, T) float32."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    # Allocated as (B, T, Hq, D) and viewed as (B, Hq, T, D): the model merges the heads back
+    # into (B, T, C) right after, and from this layout that merge is a view, not a copy.
+    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse2 = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    _launch(_flash_fwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq),
+            q, k, v, out, lse2, sm_scale * LOG2E,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            Hq, Hq // Hkv, T, S, _seq_bucket(T), _seq_bucket(S),
+            D=D, CAUSAL=causal, EVEN_S=S % 128 == 0, DOT_PRECISION=_dot_precision(q.dtype))
+    return out, lse2
+
+
+def _flash_backward(dout, q, k, v, out, lse2, causal, sm_scale):
+    """dq (B, Hq, T, D) and dk, dv (B, Hkv, S, D) for dout (B, Hq, T, D)."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    dout = _kernel_ready(dout)
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    _bwd_preprocess_kernel[(triton.cdiv(T, 64), B * Hq)](
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, T, D=D, BLOCK_M=64)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    sizes = (Hq, Hq // Hkv, T, S, _seq_bucket(T), _seq_bucket(S))
+    meta = dict(D=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
+    _launch(_flash_bwd_dkdv_kernel, lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * Hkv),
+            q, k, v, dout, lse2, delta, dk, dv, sm_scale * LOG2E, sm_scale,
+            *strides, *dk.stride()[:3], *dv.stride()[:3], *sizes, **meta)
+    _launch(_flash_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * Hq),
+            q, k, v, dout, lse2, delta, dq, sm_scale * LOG2E, sm_scale,
+            *strides, *dq.stride()[:3], *sizes, **meta)
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd for the kernels: forward(q, k, v, causal, sm_scale) -> (out, lse2), lse2 the
+    base-2 log-sum-exp (no gradient). Saves q, k, v, out and lse2: O(T) memory beyond the
+    inputs, where the naive attention keeps the (T, S) probabilities for its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+        out, lse2 = _flash_forward(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, out, lse2)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        ctx.mark_non_differentiable(lse2)
+        return out, lse2
+
+    @staticmethod
+    def backward(ctx, dout, _dlse2):
+        dq, dk, dv = _flash_backward(dout, *ctx.saved_tensors, ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+def _flash_attention(q, k, v, causal, sm_scale):
+    _check_inputs(q, k, v, sm_scale)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale)
+
+
+def flash_attention_with_lse(q, k, v, causal=True, sm_scale=None):
+    """FlashAttention, returning (out, lse).
+    q (B, Hq, T, D); k, v (B, Hkv, S, D) with Hq a multiple of Hkv: query head h attends with kv
+    head h // (Hq // Hkv). D in {32, 64, 128, 256}. float16, bfloat16 or float32 (float32 with
+    near-float32 products, see _dot_precision). CUDA tensors, or CPU ones under the interpreter.
+    causal: query i sees key j iff j <= i + (S - T), the mask aligned to the bottom-right corner.
+    sm_scale defaults to 1/sqrt(D). out (B, Hq, T, D) in q's dtype; lse (B, Hq, T) float32 in
+    natural log, without gradient. Queries that see no key (causal with T > S: the first T - S)
+    get out = 0 and lse = -inf."""
+    out, lse2 = _flash_attention(q, k, v, causal, sm_scale)
+    return out, lse2 * LN2
+
+
+def flash_attention(q, k, v, causal=True, sm_scale=None):
+    """softmax(sm_scale * q k^T, masked) v: q (B, Hq, T, D), k, v (B, Hkv, S, D) -> (B, Hq, T, D).
+    The conventions are those of flash_attention_with_lse."""
+    return _flash_attention(q, k, v, causal, sm_scale)[0]
+
+
+# The GPT on the kernel (main's --attention flash).
+def attend_flash(self, q, k, v):
+    """MultiHeadAttention.attend on the flash kernel: q, k, v (B, H, T, D) -> (B, H, T, D).
+    The kernel never forms the attention matrix, so it has nothing to apply dropout to."""
+    if self.training and self.attn_dropout.p > 0:
+        raise ValueError("attend_flash: the flash kernel has no attention dropout; "
+                         "set dropout=0.0 or call model.eval()")
+    return flash_attention(q, k, v, causal=True)
+
+
+def attend_sdpa(self, q, k, v):
+    """MultiHeadAttention.attend on torch's fused scaled_dot_product_attention: the baseline."""
+    p = self.attn_dropout.p if self.training else 0.0
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+def use_attention(model, attend):
+    """Point every MultiHeadAttention's attend at `attend` (attend_flash, attend_sdpa), in place;
+    returns the model."""
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.attend = types.MethodType(attend, module)
+    return model
+
+
+def use_flash_attention(model):
+    return use_attention(model, attend_flash)
+
+
+# Benchmark: forward and backward TFLOP/s against torch's SDPA (its fastest backend here) and
+# the naive attention, in one run; peak memory of forward + backward, ours against naive.
+def attention_flops(B, H, T, S, D, causal):
+    """Forward FLOPs: two matmuls of 2*T*S*D per head, half of them under the causal mask
+    (T == S). The backward is counted as 2.5 times the forward (five such matmuls)."""
+    return 4 * B * H * T * S * D * (0.5 if causal else 1.0)
+
+
+def _time_fwd_bwd(fn, q, k, v):
+    """Median ms of the forward, and of the backward alone (gradients reset every run)."""
+    fwd = triton.testing.do_bench(lambda: fn(q, k, v), return_mode="median")
+    out = fn(q, k, v)
+    dout = torch.randn_like(out)
+    bwd = triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True),
+                                  grad_to_none=[q, k, v], return_mode="median")
+    return fwd, bwd
+
+
+def _peak_mib(fn, q, k, v):
+    """Peak device memory of one forward + backward beyond what was allocated before, MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(q, k, v).backward(torch.randn_like(q))
+    torch.cuda.synchronize()
+    q.grad = k.grad = v.grad = None
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def _matmul_tflops():
+    """bf16 matmul rate through cuBLAS in this run: the ceiling the %peak column refers to."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / triton.testing.do_bench(lambda: a @ b, return_mode="median") / 1e9
+
+
+def _best_sdpa(causal, q, k, v):
+    """Time every SDPA backend that runs this shape; the fastest forward and backward, with
+    the backends' names."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    best = {"fwd": ("-", float("inf")), "bwd": ("-", float("inf"))}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("effic", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                times = _time_fwd_bwd(
+                    lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
+                    q, k, v)
+        except RuntimeError:  # this backend does not support the shape, dtype or GPU
+            continue
+        for which, ms in zip(("fwd", "bwd"), times):
+            if ms < best[which][1]:
+                best[which] = (name, ms)
+    return best
+
+
+def bench_attention(dtype=torch.bfloat16, batch=4, heads=16, lengths=(1024, 4096, 16384),
+          head_dims=(64, 128)):
+    """Print the table; return its rows as dicts (TFLOP/s, SDPA backend names, MiB)."""
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA GPU; skipped")
+        return []
+    peak = _matmul_tflops()
+    print(f"flash attention, {dtype}, B={batch} H={heads}: TFLOP/s (fwd 4*B*H*T*S*D, half if "
+          f"causal; bwd 2.5x fwd); %peak of the bf16 matmul rate measured now, {peak:.0f}")
+    print(f"{'D':>3} {'causal':>6} {'T':>5} | {'fwd':>4} {'sdpa':>4} {'(kernel)':>8} {'naive':>5} "
+          f"{'x':>5} {'%pk':>3} | {'bwd':>4} {'sdpa':>4} {'(kernel)':>8} {'naive':>5} {'x':>5} | "
+          f"{'MiB':>6} {'naive':>6}")
+    rows = []
+    for D in head_dims:
+        for causal in (False, True):
+            for T in lengths:
+                q, k, v = (torch.randn(batch, heads, T, D, device="cuda", dtype=dtype,
+                                       requires_grad=True) for _ in range(3))
+                flops = attention_flops(batch, heads, T, T, D, causal)
+
+                def tflops(ms, mult=1.0):
+                    return flops * mult / ms / 1e9
+
+                def ours(a, b, c):
+                    return flash_attention(a, b, c, causal)
+
+                def naive(a, b, c):
+                    return naive_attention(a, b, c, causal)[0]
+
+                fwd, bwd = _time_fwd_bwd(ours, q, k, v)
+                mem = _peak_mib(ours, q, k, v)
+                best = _best_sdpa(causal, q, k, v)
+                # the naive version keeps about four (B, H, T, T) tensors alive for backward
+                naive_ms, naive_mem = (float("nan"),) * 2, float("nan")
+                if 5 * batch * heads * T * T * q.element_size() < torch.cuda.mem_get_info()[0]:
+                    try:
+                        naive_ms = _time_fwd_bwd(naive, q, k, v)
+                        naive_mem = _peak_mib(naive, q, k, v)
+                    except torch.cuda.OutOfMemoryError:
+                        pass
+                torch.cuda.empty_cache()
+                row = dict(D=D, causal=causal, T=T, fwd=tflops(fwd), bwd=tflops(bwd, 2.5),
+                           sdpa_fwd=tflops(best["fwd"][1]), sdpa_fwd_backend=best["fwd"][0],
+                           sdpa_bwd=tflops(best["bwd"][1], 2.5), sdpa_bwd_backend=best["bwd"][0],
+                           naive_fwd=tflops(naive_ms[0]), naive_bwd=tflops(naive_ms[1], 2.5),
+                           mib=mem, naive_mib=naive_mem)
+                rows.append(row)
+                row["fwd_ratio"] = row["fwd"] / row["sdpa_fwd"] if row["sdpa_fwd"] else float("nan")
+                row["bwd_ratio"] = row["bwd"] / row["sdpa_bwd"] if row["sdpa_bwd"] else float("nan")
+                print(f"{D:>3} {causal!s:>6} {T:>5} | {row['fwd']:4.0f} {row['sdpa_fwd']:4.0f} "
+                      f"{'(' + row['sdpa_fwd_backend'] + ')':>8} {row['naive_fwd']:5.0f} "
+                      f"{row['fwd_ratio']:5.2f} {100 * row['fwd'] / peak:3.0f} | "
+                      f"{row['bwd']:4.0f} {row['sdpa_bwd']:4.0f} "
+                      f"{'(' + row['sdpa_bwd_backend'] + ')':>8} {row['naive_bwd']:5.0f} "
+                      f"{row['bwd_ratio']:5.2f} | {mem:6.0f} {naive_mem:6.0f}", flush=True)
+                del q, k, v
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Putting it together
+# ----------------------------------------------------------------------------------------------
+
+# Model shapes and training defaults. "tiny" shows a clearly falling loss on a laptop CPU in
+# about two minutes; the GPT-2 sizes use the book's settings (context 256, batch 2, lr 4e-4).
+TRAIN_PRESETS = {
+    "tiny": dict(model=dict(n_layer=4, n_head=4, n_embd=256), context_length=128, batch_size=8,
+                 epochs=15, lr=1e-3, dropout=0.0),
+    **{size: dict(model={}, context_length=256, batch_size=2, epochs=10, lr=4e-4, dropout=0.1)
+       for size in GPT2_SIZES},
+}
+
+
+def build_config(preset, context_length, dropout):
+    if preset == "tiny":
+        return GPTConfig(context_length=context_length, dropout=dropout,
+                         **TRAIN_PRESETS["tiny"]["model"])
+    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout)
+
+
+def bench(args, device):
+    """Training throughput on random tokens: torch eager and torch.compile, both with SDPA
+    attention, against the stage's kernels (Triton kernels + flash attention)."""
+    T = args.context_length or (1024 if device.type == "cuda" else 128)
+    B = args.batch_size or (16 if device.type == "cuda" else 4)
+    preset = args.model or ("124M" if device.type == "cuda" else "tiny")
+    steps = args.bench_steps
+    peak = peak_flops(device)
+    print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
+          f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
+    rows = []
+    for mode in ("eager + SDPA", "torch.compile + SDPA", "triton + flash"):  # changed: stage 06
+        torch.manual_seed(args.seed)
+        model = GPT(build_config(preset, T, 0.0)).to(device)
+        step_model = torch.compile(model) if mode == "torch.compile + SDPA" else model
+        step_loss = triton_loss_fn if mode == "triton + flash" else loss_fn
+        if mode == "triton + flash":
+            use_flash_attention(use_triton_kernels(model))
+        else:
+            use_attention(model, attend_sdpa)
+        opt = make_optimizer(model, 1e-4, 0.1, device)
+        x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), device=device)
+
+        def one_step():
+            with autocast(device):
+                loss = step_loss(step_model(x[:, :-1]), x[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss
+
+        for _ in range(3):  # warm-up: compilation, allocator, cuBLAS heuristics
+            one_step()
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = one_step()
+        sync()
+        tok_s = B * T * steps / (time.perf_counter() - t0)
+        mfu = flops_per_token(model, T) * tok_s / peak if peak else None
+        rows.append((mode, tok_s, mfu, loss.item()))
+        del model, step_model, opt
+    print(f"{'mode':<22}{'tokens/s':>12}{'MFU':>8}{'loss':>8}")
+    for mode, tok_s, mfu, loss in rows:
+        print(f"{mode:<22}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=list(TRAIN_PRESETS),
+                        help="model shape (default: tiny; --bench on a GPU: 124M)")
+    parser.add_argument("--epochs", type=int, help="default: the preset's")
+    parser.add_argument("--batch-size", type=int, help="default: the preset's")
+    parser.add_argument("--context-length", type=int, help="default: the preset's")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--train", action="store_true", help="train first, as stage 03 does")
+    parser.add_argument("--save", help="write the trained model to this .safetensors file")
+    parser.add_argument("--load", help="generate from a checkpoint instead of training")
+    parser.add_argument("--gpt2", choices=list(GPT2_REPOS), metavar="SIZE",
+                        help="generate with GPT-2's real weights (124M, 355M, 774M, 1558M)")
+    parser.add_argument("--gpt2-dir", help="generate with GPT-2 weights from this HF directory")
+    parser.add_argument("--kernels", choices=["torch", "triton"], default="triton",
+                        help="run the GPT (forward and backward) on torch or on Triton kernels")
+    parser.add_argument("--attention", choices=["naive", "flash"], default="flash",
+                        help="the GPT's attention: explicit mask (stage 02) or FlashAttention")
+    parser.add_argument("--prompt", default="Every effort moves you")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="default: 40 (10 on Triton's slow CPU interpreter)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--bench", action="store_true",
+                        help="attention vs SDPA and naive, then GPT training throughput")
+    parser.add_argument("--bench-kernels", action="store_true",
+                        help="stage 05's table: every Triton kernel vs torch and torch.compile")
+    parser.add_argument("--bench-steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
+    parser.add_argument("--seed", type=int, default=123)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left over
+    torch.manual_seed(args.seed)
+    if (args.bench or args.bench_kernels) and device.type != "cuda":
+        parser.error("benchmarks need a CUDA GPU (the interpreter shows correctness, not speed)")
+    if args.bench_kernels:
+        return bench_kernels()
+    if args.bench:
+        bench_attention()
+        return bench(args, device)
+    demo_triton(device)
+    loss = triton_loss_fn if args.kernels == "triton" else loss_fn
+    tokenizer = gpt2_tokenizer(args.data_dir)
+
+    if args.gpt2 or args.gpt2_dir or args.load:
+        if args.load:
+            model = load_checkpoint(args.load, device).eval()
+        else:
+            model = load_gpt2(args.gpt2 or args.gpt2_dir, device, args.data_dir)
+        print(f"loaded {model.num_params() / 1e6:.0f}M parameters")
+    elif args.train:
+        name = args.model or "tiny"
+        preset = TRAIN_PRESETS[name]
+        T = args.context_length or preset["context_length"]
+        model = GPT(build_config(name, T, preset["dropout"])).to(device)
+        text = data_file("the-verdict.txt", args.data_dir).read_text(encoding="utf-8")
+        ids = tokenizer.encode(text)
+        split = int(0.9 * len(ids))
+        B = args.batch_size or preset["batch_size"]
+        train_loader = create_dataloader(ids[:split], B, T, seed=args.seed)
+        val_loader = create_dataloader(ids[split:], B, T, shuffle=False, drop_last=False)
+        tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"],
+                           eval_every=args.eval_every)
+        print(f"training GPT ({model.num_params() / 1e6:.1f}M parameters, {model.cfg}) on "
+              f"The Verdict: {split:,} train / {len(ids) - split:,} val tokens, "
+              f"{len(train_loader)} steps per epoch, {tcfg.epochs} epochs, on {device}")
+        if args.kernels == "triton":
+            use_triton_kernels(model)
+        if args.attention == "flash":
+            use_flash_attention(model)
+        step_model = torch.compile(model) if args.compile else model
+        train(step_model, train_loader, val_loader, tcfg, device, loss=loss)
+        if args.save:
+            save_checkpoint(model, args.save)
+            print(f"saved {args.save}")
+        model.eval()
+    else:  # an untrained GPT is enough to compare the two paths
+        # changed: the interpreter is slow, so on a CPU a small GPT
+        cfg = (GPTConfig.gpt2("124M") if device.type == "cuda" else
+               GPTConfig(n_layer=2, n_head=2, n_embd=64, context_length=64))
+        model = GPT(cfg).to(device).eval()
+        print(f"untrained GPT, {model.num_params() / 1e6:.1f}M parameters "
+              f"(pass --gpt2 124M for the real weights)")
+
+    idx = torch.tensor([tokenizer.encode(args.prompt)], device=device)
+    if not args.train and (args.kernels == "triton" or args.attention == "flash"):
+        with torch.no_grad():  # the same forward on our kernels
+            ref = model(idx).float()
+            if args.kernels == "triton":
+                use_triton_kernels(model)
+            if args.attention == "flash":
+                use_flash_attention(model)
+            ours = model(idx).float()
+        err = ((ours - ref).norm() / ref.norm()).item()
+        print(f"GPT logits on the stage's kernels ({args.kernels}, {args.attention} attention) "
+              f"vs torch: relative error {err:.2e}")
+    slow = INTERPRET and (args.kernels == "triton" or args.attention == "flash")
+    max_new_tokens = args.max_new_tokens or (10 if slow else 40)  # changed: the interpreter
+    out = generate(model, idx, max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   eos_id=EOT_ID)
+    print(f"\n{tokenizer.decode(out[0].tolist())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Stage 06: FlashAttention in Triton against a float64 reference.
+
+On a machine without CUDA the kernels run through Triton's interpreter, in float32 and float16
+(the 3.6 interpreter multiplies bfloat16 bit patterns as integers in tl.dot, so bfloat16 is
+tested on the GPU only). Every result is compared with `naive_attention` run in float64, which
+is itself checked against torch's scaled_dot_product_attention.
+"""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_CUDA, load_stage
+
+
+@pytest.fixture(scope="module")
+def fa():
+    return load_stage("06_flash_attention")
+
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# float32 errors: ~2e-7 through the interpreter (exact float32 products), ~1e-6 on the GPU
+# (products as three tf32 products); a wrong result is off by O(1)
+F32_TOL = 2e-5
+
+
+def rel_err(x, ref):
+    """||x - ref|| / ||ref|| over the finite entries of ref (the -inf lse of empty rows excluded),
+    where ||ref|| is at least that of a unit-RMS tensor, the scale of the inputs and of dout.
+    Some references are exactly 0 (dq of a query that sees one key, dk when S = 1: P is constant)
+    and what is computed there is rounding, which only an absolute scale can judge."""
+    x, ref = x.double(), ref.double()
+    finite = torch.isfinite(ref)
+    floor = max(int(finite.sum()), 1) ** 0.5
+    return ((x[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(floor)).item()
+
+
+def make_qkv(B, Hq, Hkv, T, S, D, dtype, device=DEVICE, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    return [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
+
+
+def reference(fa, q, k, v, causal, sm_scale, dout, dtype=torch.float64):
+    """out, lse and (dq, dk, dv) of the naive attention computed in `dtype`."""
+    q64, k64, v64 = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    out, lse = fa.naive_attention(q64, k64, v64, causal, sm_scale)
+    out.backward(dout.to(dtype))
+    return out, lse, (q64.grad, k64.grad, v64.grad)
+
+
+def check_against_reference(fa, B, Hq, Hkv, T, S, D, causal, dtype, tol_out, tol_grad,
+                            sm_scale=None):
+    q, k, v = make_qkv(B, Hq, Hkv, T, S, D, dtype, seed=T * 1000 + S)
+    out, lse = fa.flash_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_out, ref_lse, ref_grads = reference(fa, q, k, v, causal, sm_scale, dout)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (B, Hq, T)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows that see no key: lse -inf"
+    assert rel_err(out, ref_out) < tol_out, f"out {rel_err(out, ref_out):.2e}"
+    assert rel_err(lse, ref_lse) < tol_out, f"lse {rel_err(lse, ref_lse):.2e}"
+    for name, ours, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads):
+        assert torch.isfinite(ours).all(), f"{name} has NaN or inf"
+        assert rel_err(ours, ref) < tol_grad, f"{name} {rel_err(ours, ref):.2e}"
+
+
+# ---------------------------------------------------------------------------- the references
+# (B, Hq, Hkv, T, S, D, causal). GRID: every pair of the awkward lengths {1, 17, 67, 129, 300}
+# for T and S under both masks (T < S: bottom-right causal; T > S: queries that see no key), with
+# GQA ratios 1, 2, 4 in turn (Hq/Hkv = 2/2, 4/2, 4/1: two kv heads, so a wrong head mapping
+# shows). CASES: batch 2, other head sizes, and S = 256 (a multiple of 128: the forward's
+# single-loop path).
+SIZES = (1, 17, 67, 129, 300)
+HEADS = ((2, 2), (4, 2), (4, 1))  # (Hq, Hkv): GQA ratios 1, 2, 4
+GRID = [(1, *HEADS[i % 3], T, S, 32, causal)
+        for i, (T, S, causal) in enumerate(itertools.product(SIZES, SIZES, (True, False)))]
+CASES = [
+    (2, 4, 1, 17, 17, 32, True),
+    (1, 4, 2, 67, 129, 32, True),
+    (1, 2, 2, 129, 67, 32, True),
+    (1, 4, 1, 1, 300, 32, True),
+    (1, 2, 1, 300, 17, 64, False),
+    (1, 4, 2, 67, 256, 32, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES + [(1, 4, 4, 300, 300, 64, True)])
+def test_naive_matches_torch_sdpa(fa, case):
+    B, Hq, Hkv, T, S, D, causal = case
+    q, k, v = (x.detach().double() for x in make_qkv(B, Hq, Hkv, T, S, D, torch.float64, "cpu"))
+    out, _ = fa.naive_attention(q, k, v, causal)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) if causal else None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    seen = slice(max(T - S, 0), T) if causal else slice(0, T)  # SDPA gives NaN for empty rows
+    assert rel_err(out[:, :, seen], ref[:, :, seen]) < 1e-12
+    assert (out[:, :, :seen.start] == 0).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_tiled_torch_matches_naive(fa, case, block_n):
+    B, Hq, Hkv, T, S, D, causal = case
+    q, k, v = (x.detach() for x in make_qkv(B, Hq, Hkv, T, S, D, torch.float64, "cpu"))
+    out, lse = fa.tiled_attention_torch(q, k, v, causal, block_n=block_n)
+    ref_out, ref_lse = fa.naive_attention(q, k, v, causal)
+    assert rel_err(out, ref_out) < 1e-6 and rel_err(lse, ref_lse) < 1e-6  # its math runs in fp32
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+
+
+# ----------------------------------------------------------------------------- the kernels
+@pytest.mark.parametrize("case", GRID + CASES)
+def test_flash_float32_matches_float64(fa, case):
+    check_against_reference(fa, *case, torch.float32, tol_out=F32_TOL, tol_grad=F32_TOL)
+
+
+def test_flash_float16(fa):
+    # probabilities and gradients pass through float16 on their way into the matmuls
+    check_against_reference(fa, 1, 4, 2, 67, 129, 64, True, torch.float16, tol_out=2e-3,
+                            tol_grad=5e-3)
+
+
+def test_flash_head_dims_and_scale(fa):
+    for D in (128, 256):
+        check_against_reference(fa, 1, 2, 1, 17, 67, D, True, torch.float32, F32_TOL, F32_TOL,
+                                sm_scale=0.3)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan(fa):
+    # causal with T > S: the first T - S queries see no key
+    T, S = 67, 17
+    q, k, v = make_qkv(1, 2, 1, T, S, 32, torch.float32)
+    out, lse = fa.flash_attention_with_lse(q, k, v, causal=True)
+    out.sum().backward()
+    empty = slice(0, T - S)
+    assert (out[:, :, empty] == 0).all() and (lse[:, :, empty] == float("-inf")).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, T - S:]).all()
+    for grad in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all()
+    assert (q.grad[:, :, empty] == 0).all()
+
+
+def test_gpt_layout_views(fa):
+    # the GPT hands the kernel views of one (B, T, 3C) projection: (B, H, T, D) with strides
+    # (3TC, D, 3C, 1), and reads the output back as (B, T, C)
+    B, T, H, D = 2, 67, 2, 32
+    qkv = torch.randn(B, T, 3 * H * D, device=DEVICE, requires_grad=True)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+    out = fa.flash_attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_out, _, ref_grads = reference(fa, q, k, v, True, None, dout)
+    assert rel_err(out, ref_out) < F32_TOL
+    assert out.transpose(1, 2).is_contiguous()  # merging heads back to (B, T, C) is a view
+    ref_qkv_grad = torch.cat([g.transpose(1, 2).reshape(B, T, H * D) for g in ref_grads], dim=2)
+    assert rel_err(qkv.grad, ref_qkv_grad) < F32_TOL
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda q, k, v: (q[0], k, v), ValueError, "4-D"),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch"),
+    (lambda q, k, v: (q, k, v[:, :, :5]), ValueError, "same shape"),
+    (lambda q, k, v: (q[:, :3], k[:, :2], v[:, :2]), ValueError, "multiple of kv heads"),
+    (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), ValueError, "head size"),
+    (lambda q, k, v: (q[..., :16], k, v), ValueError, "head sizes differ"),
+    (lambda q, k, v: (q, k.half(), v), TypeError, "share a dtype"),
+    (lambda q, k, v: (q.double(), k.double(), v.double()), TypeError, "not supported"),
+    (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, "not supported"),
+    (lambda q, k, v: (q.numpy(), k, v), TypeError, "torch.Tensor"),
+    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, "empty"),
+])
+def test_bad_inputs_raise(fa, bad, error, match):
+    q, k, v = (x.detach().cpu() for x in make_qkv(2, 4, 2, 17, 17, 64, torch.float32, "cpu"))
+    with pytest.raises(error, match=match):
+        fa.flash_attention(*bad(q, k, v))
+
+
+def test_bad_scale_raises(fa):
+    q, k, v = make_qkv(1, 2, 2, 17, 17, 32, torch.float32)
+    with pytest.raises(ValueError, match="sm_scale"):
+        fa.flash_attention(q, k, v, sm_scale=0.0)
+
+
+# ------------------------------------------------------------------------------- the model
+def test_gpt_with_flash_attention_matches_attend(fa):
+    # The same small GPT, once with the explicit-mask attend and once with the flash kernel:
+    # logits and every parameter gradient agree.
+    torch.manual_seed(0)
+    cfg = fa.GPTConfig(vocab_size=97, context_length=40, n_embd=64, n_head=2, n_layer=2)
+    model = fa.GPT(cfg).to(DEVICE)
+    idx = torch.randint(0, cfg.vocab_size, (2, 37), device=DEVICE)
+    targets = torch.randint(0, cfg.vocab_size, (2, 37), device=DEVICE)
+
+    def run():
+        model.zero_grad()
+        logits = model(idx)
+        fa.loss_fn(logits, targets).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_logits, ref_grads = run()
+    fa.use_flash_attention(model)
+    logits, grads = run()
+    assert rel_err(logits, ref_logits) < F32_TOL
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < F32_TOL, name
+
+
+def test_flash_attend_refuses_dropout(fa):
+    cfg = fa.GPTConfig(vocab_size=97, context_length=40, n_embd=64, n_head=2, n_layer=1,
+                       dropout=0.1)
+    model = fa.use_flash_attention(fa.GPT(cfg).to(DEVICE))
+    with pytest.raises(ValueError, match="dropout"):
+        model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE))
+    model.eval()
+    assert model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE)).shape == (1, 5, 97)
+
+
+# ------------------------------------------------------------------------------- on the GPU
+# bf16/fp16 against the naive attention in float32 on the same (rounded) inputs. Tolerances:
+# bf16 keeps 8 bits of mantissa, so rounding P to bf16 before P @ V and the output to bf16 gives
+# ~4e-3 relative error; gradients, which sum T or S such terms, ~1e-2.
+GPU_TOL = {torch.bfloat16: (1.5e-2, 3e-2), torch.float16: (3e-3, 6e-3)}
+GPU_CASES = [  # (B, Hq, Hkv, T, S, D, causal)
+    (2, 8, 2, 1000, 1000, 128, True),
+    (2, 8, 2, 1000, 1000, 128, False),
+    (2, 8, 8, 1000, 1500, 64, True),
+    (2, 8, 4, 1500, 1000, 128, True),
+    (2, 8, 1, 1024, 1024, 64, False),
+    (1, 4, 2, 777, 2048, 32, False),
+    (1, 4, 4, 1, 4096, 128, True),
+    (1, 4, 2, 300, 300, 256, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_matches_float32_reference(fa, case, dtype):
+    B, Hq, Hkv, T, S, D, causal = case
+    q, k, v = make_qkv(B, Hq, Hkv, T, S, D, dtype, seed=T + S + D)
+    out, lse = fa.flash_attention_with_lse(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_out, ref_lse, ref_grads = reference(fa, q, k, v, causal, None, dout, torch.float32)
+    tol_out, tol_grad = GPU_TOL[dtype]
+    assert rel_err(out, ref_out) < tol_out and rel_err(lse, ref_lse) < 1e-4
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    for ours, ref in zip((q.grad, k.grad, v.grad), ref_grads):
+        assert torch.isfinite(ours).all() and rel_err(ours, ref) < tol_grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(2, 8, 2, 1000, 1000, 128, True), (1, 4, 1, 129, 300, 64, False)])
+def test_gpu_float32_is_precise(fa, case):
+    # at real sizes, and where plain tf32 products would give ~1e-3
+    check_against_reference(fa, *case, torch.float32, tol_out=F32_TOL, tol_grad=F32_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_fully_masked_rows(fa):
+    q, k, v = make_qkv(2, 4, 2, 1000, 300, 128, torch.bfloat16)
+    out, lse = fa.flash_attention_with_lse(q, k, v, causal=True)
+    out.float().sum().backward()
+    assert (out[:, :, :700] == 0).all() and (lse[:, :, :700] == float("-inf")).all()
+    assert all(torch.isfinite(g).all() for g in (out, q.grad, k.grad, v.grad))
+
+
+@pytest.mark.gpu
+def test_gpu_device_mismatch_raises(fa):
+    q, k, v = make_qkv(1, 2, 2, 17, 17, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="one device"):
+        fa.flash_attention(q, k.detach().cpu(), v)
+
+
+def test_attention_flops_convention(fa):
+    # 4*B*H*T*S*D forward, half of it under the causal mask
+    assert fa.attention_flops(4, 16, 4096, 4096, 128, False) == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert fa.attention_flops(4, 16, 4096, 4096, 128, True) == 2 * 4 * 16 * 4096 * 4096 * 128
