@@ -36,7 +36,7 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def compare(ours_fn, ref_fn, inputs, tol, gen, out_dtype=None):
+def check_close(ours_fn, ref_fn, inputs, tol, gen, out_dtype=None):
     """Forward and backward (with a random upstream gradient) of ours against ref on float64 copies."""
     ours_in = [t.detach().clone().requires_grad_() for t in inputs]
     ref_in = [t.detach().double().requires_grad_() for t in inputs]
@@ -51,7 +51,7 @@ def compare(ours_fn, ref_fn, inputs, tol, gen, out_dtype=None):
         assert rel_err(o.grad, r.grad) < tol, f"grad of input {i}: rel err {rel_err(o.grad, r.grad):.2e}"
 
 
-def directional_check(fn, inputs, gen, h=1e-2):
+def check_directional(fn, inputs, gen, h=1e-2):
     """gradcheck in one random direction: the central difference of L = <fn(x), w> along v against
     <grad L, v> from the kernels' backward. fp32 only, so h is large and the bound loose (1e-2)."""
     inputs = [t.detach().clone().requires_grad_() for t in inputs]
@@ -93,7 +93,7 @@ def test_vector_add(s, gen, n, dtype):
 @pytest.mark.parametrize("shape", ROW_SHAPES + [(3, 16411)])  # the last is streamed (> 16,384 wide)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax(s, gen, shape, dtype):
-    compare(s.softmax, lambda x: torch.softmax(x, -1), [randn(gen, *shape, dtype=dtype, scale=3.0)], TOL[dtype], gen)
+    check_close(s.softmax, lambda x: torch.softmax(x, -1), [randn(gen, *shape, dtype=dtype, scale=3.0)], TOL[dtype], gen)
 
 
 @pytest.mark.parametrize("n", [67, 16411])
@@ -102,7 +102,7 @@ def test_softmax_masked_rows(s, gen, n):
     x = randn(gen, 6, n)
     x[:, : n // 2] = float("-inf")
     x[0, n // 2 + 1:] = float("-inf")  # a row with a single finite entry
-    compare(s.softmax, lambda t: torch.softmax(t, -1), [x], TOL[torch.float32], gen)
+    check_close(s.softmax, lambda t: torch.softmax(t, -1), [x], TOL[torch.float32], gen)
 
 
 # every narrow shape in both dtypes; the wide ones take the streamed backward (> 8,192 columns) and
@@ -120,7 +120,7 @@ def test_layer_norm(s, gen, shape, dtype, with_bias):
     x = (randn(gen, *shape, dtype=torch.float64, scale=4.0) + 3.0 + torch.linspace(-8, 8, n, device=DEVICE)).to(dtype)
     w, b = randn(gen, n, dtype=dtype) + 1.0, randn(gen, n, dtype=dtype)
     inputs = [x, w, b] if with_bias else [x, w]
-    compare(lambda x, w, b=None: s.layer_norm(x, w, b), lambda x, w, b=None: F.layer_norm(x, (n,), w, b, 1e-5),
+    check_close(lambda x, w, b=None: s.layer_norm(x, w, b), lambda x, w, b=None: F.layer_norm(x, (n,), w, b, 1e-5),
             inputs, TOL[dtype], gen)
 
 
@@ -128,13 +128,13 @@ def test_layer_norm(s, gen, shape, dtype, with_bias):
 def test_rms_norm(s, gen, shape, dtype):
     n = shape[-1]
     x, w = randn(gen, *shape, dtype=dtype, scale=2.0), randn(gen, n, dtype=dtype) + 1.0
-    compare(s.rms_norm, lambda x, w: F.rms_norm(x, (n,), w, 1e-6), [x, w], TOL[dtype], gen)
+    check_close(s.rms_norm, lambda x, w: F.rms_norm(x, (n,), w, 1e-6), [x, w], TOL[dtype], gen)
 
 
 def test_layer_norm_mixed_dtypes(s, gen):
     # bf16 activations with fp32 parameters (the autocast layout): gradients in each input's dtype
     x, w, b = randn(gen, 5, 67, dtype=torch.bfloat16), randn(gen, 67) + 1.0, randn(gen, 67)
-    compare(lambda x, w, b: s.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (67,), w, b), [x, w, b],
+    check_close(lambda x, w, b: s.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (67,), w, b), [x, w, b],
             TOL[torch.bfloat16], gen)
 
 
@@ -149,7 +149,7 @@ def gelu_ref(x):
 @pytest.mark.parametrize("shape", [(1000,), (3, 17), (2, 3, 129)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gelu(s, gen, shape, dtype):
-    compare(s.gelu, gelu_ref, [randn(gen, *shape, dtype=dtype, scale=3.0)], TOL[dtype], gen)
+    check_close(s.gelu, gelu_ref, [randn(gen, *shape, dtype=dtype, scale=3.0)], TOL[dtype], gen)
 
 
 def test_gelu_extremes(s):
@@ -161,7 +161,7 @@ def test_gelu_extremes(s):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu(s, gen, shape, dtype):
     gate, up = randn(gen, *shape, dtype=dtype, scale=3.0), randn(gen, *shape, dtype=dtype)
-    compare(s.swiglu, lambda g, u: F.silu(g) * u, [gate, up], TOL[dtype], gen)
+    check_close(s.swiglu, lambda g, u: F.silu(g) * u, [gate, up], TOL[dtype], gen)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def matmul_ref(a, b, bias=None, activation=None):
 def test_matmul(s, gen, m, k, n, dtype, activation):
     a, b = randn(gen, m, k, dtype=dtype), randn(gen, k, n, dtype=dtype, scale=k ** -0.5)
     bias = randn(gen, n, dtype=dtype)
-    compare(lambda a, b, bias: s.matmul(a, b, bias, activation), lambda a, b, bias: matmul_ref(a, b, bias, activation),
+    check_close(lambda a, b, bias: s.matmul(a, b, bias, activation), lambda a, b, bias: matmul_ref(a, b, bias, activation),
             [a, b, bias], TOL[dtype], gen)
 
 
@@ -188,7 +188,7 @@ def test_matmul_linear_layout(s, gen, n):
     # x (B, T, K) @ W.t() with W (N, K), as nn.Linear: leading dims flattened, the weight's grad in
     # its own layout; M = 600 rows also takes the two-launch bias reduction
     x, w, bias = randn(gen, 2, 300, 65), randn(gen, n, 65, scale=0.1), randn(gen, n)
-    compare(lambda x, w, bias: s.matmul(x, w.t(), bias), lambda x, w, bias: F.linear(x, w, bias), [x, w, bias],
+    check_close(lambda x, w, bias: s.matmul(x, w.t(), bias), lambda x, w, bias: F.linear(x, w, bias), [x, w, bias],
             TOL[torch.float32], gen)
 
 
@@ -211,7 +211,7 @@ def test_cross_entropy(s, gen, shape, dtype, inplace):
     targets.view(-1)[1] = -100  # ignored: no loss, no gradient, not counted in the mean
     logits = randn(gen, *shape, dtype=dtype, scale=2.0)
     # a non-leaf input (as a model's logits are), so that the in-place backward may overwrite it
-    compare(lambda lg: s.cross_entropy(lg * 1, targets, inplace_backward=inplace),
+    check_close(lambda lg: s.cross_entropy(lg * 1, targets, inplace_backward=inplace),
             lambda lg: F.cross_entropy(lg.flatten(0, -2), targets.flatten()), [logits], TOL[dtype], gen,
             out_dtype=torch.float32)
 
@@ -250,14 +250,14 @@ def test_cross_entropy_int32_targets(s, gen):
 def test_directional_derivatives(s, gen):
     x, w, b = randn(gen, 5, 67), randn(gen, 67) + 1.0, randn(gen, 67)
     targets = torch.randint(67, (5,), generator=gen).to(DEVICE)
-    directional_check(s.softmax, [x], gen)
-    directional_check(s.layer_norm, [x, w, b], gen)
-    directional_check(s.rms_norm, [x, w], gen)
-    directional_check(s.gelu, [x], gen)
-    directional_check(s.swiglu, [x, x.flip(0)], gen)
-    directional_check(lambda a, b, c: s.matmul(a, b, c, activation="gelu"), [x, randn(gen, 67, 33, scale=0.1),
+    check_directional(s.softmax, [x], gen)
+    check_directional(s.layer_norm, [x, w, b], gen)
+    check_directional(s.rms_norm, [x, w], gen)
+    check_directional(s.gelu, [x], gen)
+    check_directional(s.swiglu, [x, x.flip(0)], gen)
+    check_directional(lambda a, b, c: s.matmul(a, b, c, activation="gelu"), [x, randn(gen, 67, 33, scale=0.1),
                                                                           randn(gen, 33)], gen)
-    directional_check(lambda lg: s.cross_entropy(lg, targets), [x], gen)
+    check_directional(lambda lg: s.cross_entropy(lg, targets), [x], gen)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -394,12 +394,12 @@ def test_rows_gpu(s, gen, n, dtype):
     x = randn(gen, rows, n, dtype=dtype, scale=3.0)
     w, b = randn(gen, n, dtype=dtype) + 1.0, randn(gen, n, dtype=dtype)
     poison_cache(x, x)
-    compare(s.softmax, lambda x: torch.softmax(x, -1), [x], TOL[dtype], gen)
+    check_close(s.softmax, lambda x: torch.softmax(x, -1), [x], TOL[dtype], gen)
     poison_cache(x, x)
-    compare(lambda x, w, b: s.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (n,), w, b), [x, w, b],
+    check_close(lambda x, w, b: s.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (n,), w, b), [x, w, b],
             TOL[dtype], gen)
     poison_cache(x, x)
-    compare(s.rms_norm, lambda x, w: F.rms_norm(x, (n,), w, 1e-6), [x, w], TOL[dtype], gen)
+    check_close(s.rms_norm, lambda x, w: F.rms_norm(x, (n,), w, 1e-6), [x, w], TOL[dtype], gen)
 
 
 @pytest.mark.gpu
@@ -409,10 +409,10 @@ def test_matmul_gpu(s, gen, dtype):
     a, w = randn(gen, m, k, dtype=dtype), randn(gen, n, k, dtype=dtype, scale=k ** -0.5)
     bias = randn(gen, n, dtype=dtype)
     poison_cache(a, w)
-    compare(lambda a, w, bias: s.matmul(a, w.t(), bias, "gelu"), lambda a, w, bias: matmul_ref(a, w.t(), bias, "gelu"),
+    check_close(lambda a, w, bias: s.matmul(a, w.t(), bias, "gelu"), lambda a, w, bias: matmul_ref(a, w.t(), bias, "gelu"),
             [a, w, bias], TOL[dtype], gen)
     b = randn(gen, k, n, dtype=dtype, scale=k ** -0.5)
-    compare(lambda a, b: s.matmul(a, b), lambda a, b: a @ b, [a, b], TOL[dtype], gen)
+    check_close(lambda a, b: s.matmul(a, b), lambda a, b: a @ b, [a, b], TOL[dtype], gen)
 
 
 @pytest.mark.gpu
@@ -430,7 +430,7 @@ def test_cross_entropy_gpu(s, gen, inplace):
     targets[::7] = -100
     logits = randn(gen, rows, vocab, dtype=torch.bfloat16, scale=2.0)
     poison_cache(logits)
-    compare(lambda lg: s.cross_entropy(lg * 1, targets, inplace_backward=inplace),
+    check_close(lambda lg: s.cross_entropy(lg * 1, targets, inplace_backward=inplace),
             lambda lg: F.cross_entropy(lg, targets), [logits], TOL[torch.bfloat16], gen, out_dtype=torch.float32)
 
 
