@@ -1874,35 +1874,35 @@ def _prune_configs(configs, named_args, **kwargs):
 
 # Tile shapes: each candidate was compiled for sm_90a and kept if it fits shared memory (227 KB)
 # and spills no registers, or a few bytes (the causal dK/dV at D=256 spills more). Under the
-# interpreter, one small configuration per kernel, with BLOCK_M != BLOCK_N to exercise that too.
+# interpreter, one small configuration per kernel, with BLOCK_M != BLOCK_N to exercise that too
+# (the GPU lists are built on every machine all the same, so a CPU run checks them).
+# Forward: 128 query rows, 64 or 128 keys a step. 8 warps are two warpgroups of 64 rows (4
+# spill at D=128). Not offered: Triton 3.6's warp-specialized key loop
+# (tl.range(..., warp_specialize=True)), which gave wrong outputs on the H200 for
+# non-causal attention with S a multiple of 128 (tests case4/case5, 2026-11-30).
+_FWD_CONFIGS = (
+    [_config(128, n, 8, s) for n, s in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))]
+    + [_config(128, n, 4, s, (32, 64)) for n, s in ((64, 2), (64, 3), (128, 2))]
+    + [_config(64, n, 8, 2, (256,)) for n in (32, 64)]
+)
+# dK/dV: the key block (BLOCK_N rows) stays, with two float32 accumulators of BLOCK_N * D;
+# query blocks of BLOCK_M rows stream past.
+_DKDV_CONFIGS = [
+    _config(32, 128, 8, 2), _config(32, 128, 8, 3), _config(16, 128, 8, 2),
+    _config(16, 128, 8, 3), _config(32, 64, 4, 2), _config(64, 128, 8, 2, (32, 64)),
+    _config(16, 64, 8, 2, (256,)), _config(32, 64, 8, 2, (256,)),
+]
+# dQ: the query block stays, with q, dO and one accumulator; key blocks stream past.
+_DQ_CONFIGS = [
+    _config(128, 64, 8, 2), _config(128, 64, 8, 3), _config(128, 32, 8, 2),
+    _config(128, 32, 8, 3), _config(64, 64, 8, 2), _config(64, 64, 4, 2),
+    _config(128, 128, 8, 2, (32, 64)), _config(64, 32, 8, 2, (256,)),
+    _config(64, 16, 8, 2, (256,)),
+]
 if INTERPRET:
     _FWD_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS)]
     _DKDV_CONFIGS = [_config(16, 32, 4, 1, HEAD_DIMS)]
     _DQ_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS)]
-else:
-    # Forward: 128 query rows, 64 or 128 keys a step. 8 warps are two warpgroups of 64 rows (4
-    # spill at D=128). Not offered: Triton 3.6's warp-specialized key loop
-    # (tl.range(..., warp_specialize=True)), which gave wrong outputs on the H200 for
-    # non-causal attention with S a multiple of 128 (tests case4/case5, 2026-11-30).
-    _FWD_CONFIGS = (
-        [_config(128, n, 8, s) for n, s in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))]
-        + [_config(128, n, 4, s, (32, 64)) for n, s in ((64, 2), (64, 3), (128, 2))]
-        + [_config(64, n, 8, 2, (256,), False) for n in (32, 64)]
-    )
-    # dK/dV: the key block (BLOCK_N rows) stays, with two float32 accumulators of BLOCK_N * D;
-    # query blocks of BLOCK_M rows stream past.
-    _DKDV_CONFIGS = [
-        _config(32, 128, 8, 2), _config(32, 128, 8, 3), _config(16, 128, 8, 2),
-        _config(16, 128, 8, 3), _config(32, 64, 4, 2), _config(64, 128, 8, 2, (32, 64)),
-        _config(16, 64, 8, 2, (256,)), _config(32, 64, 8, 2, (256,)),
-    ]
-    # dQ: the query block stays, with q, dO and one accumulator; key blocks stream past.
-    _DQ_CONFIGS = [
-        _config(128, 64, 8, 2), _config(128, 64, 8, 3), _config(128, 32, 8, 2),
-        _config(128, 32, 8, 3), _config(64, 64, 8, 2), _config(64, 64, 4, 2),
-        _config(128, 128, 8, 2, (32, 64)), _config(64, 32, 8, 2, (256,)),
-        _config(64, 16, 8, 2, (256,)),
-    ]
 
 
 @triton.jit
