@@ -27,19 +27,59 @@ struct WelfordOp {
     }
 };
 
-// One block per row: pass 1 reads the row (caching it in shared memory when CACHE) into the
-// thread's Welford state; the block merges the states; pass 2 writes
-// (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance that torch and GPT-2 use.
-template <bool CACHE>
-__global__ void layer_norm_kernel(const float* x, const float* weight, const float* bias, float* y, int n, float eps,
-                                  bool vec) {
-    extern __shared__ float4 dynamic_smem[];
-    float* cache = reinterpret_cast<float*>(dynamic_smem);
+// One block per row, the row held in registers (n <= ROW_REG_MAX). Each thread's (count, mean, M2)
+// comes from its own values in two passes over registers (mean first, then squared deviations
+// from it: no cancellation); the block merges them with the Welford/Chan rule, and each thread
+// writes (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance that torch and
+// GPT-2 use. weight and bias are read group by group as the output is written (every block reads
+// them, so they come from L1/L2): holding them in registers too would cost occupancy.
+__global__ void __launch_bounds__(ROW_THREADS_MAX)
+    layer_norm_kernel(const float* x, const float* weight, const float* bias, float* y, int n, float eps, bool vec,
+                      bool vec_wb) {
+    const float* xr = x + static_cast<size_t>(blockIdx.x) * n;
+    float* yr = y + static_cast<size_t>(blockIdx.x) * n;
+    float v[4 * ROW_CHUNKS];
+    load_row(xr, n, vec, v, 0.0f);
+    float count = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < ROW_CHUNKS; ++c) {
+        const int j = threadIdx.x + c * blockDim.x;
+        count += static_cast<float>(max(0, min(4, n - 4 * j)));  // the padding is 0: it adds nothing to sum
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sum += v[4 * c + e];
+    }
+    const float mean_t = count > 0.0f ? sum / count : 0.0f;
+    float m2 = 0.0f;
+#pragma unroll
+    for (int c = 0; c < ROW_CHUNKS; ++c) {
+        const int j = threadIdx.x + c * blockDim.x;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (4 * j + e < n) m2 += (v[4 * c + e] - mean_t) * (v[4 * c + e] - mean_t);
+    }
+    const Welford stats = block_allreduce<WelfordOp>(Welford{count, mean_t, m2});
+    const float mean = stats.mean, rstd = rsqrtf(stats.m2 / stats.n + eps);
+#pragma unroll
+    for (int c = 0; c < ROW_CHUNKS; ++c) {
+        const int j = threadIdx.x + c * blockDim.x;
+        if (4 * j >= n) break;
+        float w[4], b[4], out[4];
+        load_group(weight, n, vec_wb, j, w, 0.0f);
+        load_group(bias, n, vec_wb, j, b, 0.0f);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[e] = (v[4 * c + e] - mean) * rstd * w[e] + b[e];
+        store_group(yr, n, vec, j, out);
+    }
+}
+
+// Rows longer than ROW_REG_MAX: pass 1 streams the row into the thread's Welford state, one value
+// at a time; pass 2 reads it again (mostly from L2) and writes.
+__global__ void layer_norm_streamed_kernel(const float* x, const float* weight, const float* bias, float* y, int n,
+                                           float eps, bool vec) {
     const float* xr = x + static_cast<size_t>(blockIdx.x) * n;
     float* yr = y + static_cast<size_t>(blockIdx.x) * n;
     Welford stats = WelfordOp::identity();
-    row_for_each(xr, n, vec, [&](int i, float v) {
-        if (CACHE) cache[i] = v;
+    row_for_each(xr, n, vec, [&](int, float v) {
         stats.n += 1.0f;
         const float delta = v - stats.mean;
         stats.mean += delta / stats.n;
@@ -47,7 +87,7 @@ __global__ void layer_norm_kernel(const float* x, const float* weight, const flo
     });
     stats = block_allreduce<WelfordOp>(stats);
     const float mean = stats.mean, rstd = rsqrtf(stats.m2 / stats.n + eps);
-    row_map(CACHE ? cache : xr, yr, n, vec, [&](int i, float v) { return (v - mean) * rstd * weight[i] + bias[i]; });
+    row_map(xr, yr, n, vec, [&](int i, float v) { return (v - mean) * rstd * weight[i] + bias[i]; });
 }
 
 // y[r, :] = layer_norm(x[r, :]) * weight + bias for r < rows; weight and bias hold n floats.
@@ -55,11 +95,11 @@ cudaError_t launch_layer_norm(const float* x, const float* weight, const float* 
                               float eps, cudaStream_t stream) {
     if (rows == 0 || n == 0) return cudaSuccess;
     const bool vec = n % 4 == 0 && aligned16(x) && aligned16(y);
-    const int threads = row_block_threads(n);
-    if (n <= ROW_CACHE_MAX)
-        layer_norm_kernel<true><<<rows, threads, n * sizeof(float), stream>>>(x, weight, bias, y, n, eps, vec);
+    if (n <= ROW_REG_MAX)
+        layer_norm_kernel<<<rows, row_block_threads(n), 0, stream>>>(x, weight, bias, y, n, eps, vec,
+                                                                     vec && aligned16(weight) && aligned16(bias));
     else
-        layer_norm_kernel<false><<<rows, threads, 0, stream>>>(x, weight, bias, y, n, eps, vec);
+        layer_norm_streamed_kernel<<<rows, 1024, 0, stream>>>(x, weight, bias, y, n, eps, vec);
     return cudaGetLastError();
 }
 // ---- END KERNELS ----
@@ -90,7 +130,7 @@ static bool check(size_t rows, int n, float offset) {
 int main(int argc, char** argv) {
     print_device("layer_norm");
     bool ok = true;
-    const size_t shapes[][2] = {{1, 1}, {17, 1023}, {3, 4097}, {1023, 17}, {5, 8192}, {5, 8193}, {2, 50257}};
+    const size_t shapes[][2] = {{1, 1}, {17, 1023}, {3, 4097}, {1023, 17}, {5, 8192}, {5, 8193}, {3, 16384}, {3, 16385}, {2, 50257}};
     for (const auto& s : shapes) ok &= check(s[0], static_cast<int>(s[1]), 0.0f);
     ok &= check(7, 768, 1000.0f);
     if (!check_only(argc, argv)) {

@@ -26,19 +26,40 @@ struct OnlineSoftmaxOp {
     }
 };
 
-// One block per row. Pass 1 reads the row once (keeping it in shared memory when CACHE) and
-// folds it into (m, s); the block combines its threads' (m, s); pass 2 writes exp(x - m) / s.
-// Traffic: one read and one write of the row, the minimum. Rows longer than ROW_CACHE_MAX
-// are read twice, the second time mostly from L2.
-template <bool CACHE>
-__global__ void softmax_kernel(const float* x, float* y, int n, bool vec) {
-    extern __shared__ float4 dynamic_smem[];
-    float* cache = reinterpret_cast<float*>(dynamic_smem);
+// One block per row, the row held in registers (n <= ROW_REG_MAX): each thread takes the max of
+// its own values and the sum of exp(x - max) over them, the block merges the threads' (m, s)
+// pairs with the online rule, and each thread writes exp(x - m) / s from its registers. One read
+// and one write of the row, the minimum.
+__global__ void __launch_bounds__(ROW_THREADS_MAX) softmax_kernel(const float* x, float* y, int n, bool vec) {
+    const float* xr = x + static_cast<size_t>(blockIdx.x) * n;
+    float* yr = y + static_cast<size_t>(blockIdx.x) * n;
+    float v[4 * ROW_CHUNKS];
+    load_row(xr, n, vec, v, -INFINITY);  // exp(-inf - m) = 0: the padding adds nothing
+    float m = -INFINITY, s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4 * ROW_CHUNKS; ++k) m = fmaxf(m, v[k]);
+    if (m != -INFINITY) {
+#pragma unroll
+        for (int k = 0; k < 4 * ROW_CHUNKS; ++k) s += expf(v[k] - m);
+    }
+    const MaxSum t = block_allreduce<OnlineSoftmaxOp>(MaxSum{m, s});
+    const float inv_sum = 1.0f / t.s;
+#pragma unroll
+    for (int c = 0; c < ROW_CHUNKS; ++c) {
+        float out[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[e] = expf(v[4 * c + e] - t.m) * inv_sum;
+        store_group(yr, n, vec, threadIdx.x + c * blockDim.x, out);
+    }
+}
+
+// Rows longer than ROW_REG_MAX: pass 1 streams the row into the online (m, s), one element at a
+// time; pass 2 reads it again (mostly from L2) and writes. 1.5x the minimum traffic.
+__global__ void softmax_streamed_kernel(const float* x, float* y, int n, bool vec) {
     const float* xr = x + static_cast<size_t>(blockIdx.x) * n;
     float* yr = y + static_cast<size_t>(blockIdx.x) * n;
     MaxSum t = OnlineSoftmaxOp::identity();
-    row_for_each(xr, n, vec, [&](int i, float v) {
-        if (CACHE) cache[i] = v;
+    row_for_each(xr, n, vec, [&](int, float v) {
         if (v > t.m) {  // a new maximum: rescale the sum so far (one exp per element either way)
             t.s = t.s * expf(t.m - v) + 1.0f;
             t.m = v;
@@ -48,16 +69,15 @@ __global__ void softmax_kernel(const float* x, float* y, int n, bool vec) {
     });
     t = block_allreduce<OnlineSoftmaxOp>(t);
     const float inv_sum = 1.0f / t.s;
-    row_map(CACHE ? cache : xr, yr, n, vec, [&](int, float v) { return expf(v - t.m) * inv_sum; });
+    row_map(xr, yr, n, vec, [&](int, float v) { return expf(v - t.m) * inv_sum; });
 }
 
 // y[r, :] = softmax(x[r, :]) for r < rows. A row of only -inf gives NaN, as torch.softmax does.
 cudaError_t launch_softmax(const float* x, float* y, size_t rows, int n, cudaStream_t stream) {
     if (rows == 0 || n == 0) return cudaSuccess;
     const bool vec = n % 4 == 0 && aligned16(x) && aligned16(y);
-    const int threads = row_block_threads(n);
-    if (n <= ROW_CACHE_MAX) softmax_kernel<true><<<rows, threads, n * sizeof(float), stream>>>(x, y, n, vec);
-    else softmax_kernel<false><<<rows, threads, 0, stream>>>(x, y, n, vec);
+    if (n <= ROW_REG_MAX) softmax_kernel<<<rows, row_block_threads(n), 0, stream>>>(x, y, n, vec);
+    else softmax_streamed_kernel<<<rows, 1024, 0, stream>>>(x, y, n, vec);
     return cudaGetLastError();
 }
 // ---- END KERNELS ----
@@ -83,7 +103,7 @@ static bool check(size_t rows, int n, float scale) {
 int main(int argc, char** argv) {
     print_device("softmax");
     bool ok = true;
-    const size_t shapes[][2] = {{1, 1}, {17, 1023}, {3, 4097}, {1023, 17}, {5, 8192}, {5, 8193}, {2, 50257}};
+    const size_t shapes[][2] = {{1, 1}, {17, 1023}, {3, 4097}, {1023, 17}, {5, 8192}, {5, 8193}, {3, 16384}, {3, 16385}, {2, 50257}};
     for (const auto& s : shapes) ok &= check(s[0], static_cast<int>(s[1]), 4.0f);
     ok &= check(7, 1000, 100.0f);
     if (!check_only(argc, argv)) {
