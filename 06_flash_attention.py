@@ -1274,6 +1274,14 @@ def swiglu(gate, up):
 # together share panels. The epilogue adds the bias and applies GELU to the fp32 accumulator
 # before the store: the MLP's Linear + GELU then writes its activations once (twice when training
 # keeps the pre-GELU values for the backward) instead of write, read, write.
+#
+# On Hopper a second kernel does better where the operands allow it. Its tiles arrive by TMA (the
+# copy engine reads a whole tile from a descriptor: base, shape, strides; no address arithmetic in
+# the threads, and the edges come back zero-filled, so no masks), and it is persistent: one program
+# per SM walks the tiles, so the epilogue of one tile overlaps the loads of the next and there is
+# no tail wave. TMA needs one unit stride and the other a multiple of 16 bytes: row-major operands
+# or transposed ones (a weight's .t(), an activation's .t() in the backward), 16-bit types. The
+# pointer kernel covers the rest (fp32, odd K or N, other strides, pre-Hopper GPUs).
 
 def _matmul_configs():
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): 8 warps are two warpgroups, each issuing
@@ -1296,6 +1304,33 @@ def _prune_matmul_configs(configs, named_args, **kwargs):
     return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
+@triton.jit
+def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row, column) of tile number `tile` in the grouped order: GROUP_M tile-rows at a time,
+    column by column inside the group."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n  # tiles in one group of GROUP_M tile-rows
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)  # the last group may be shorter
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU: tl.constexpr):
+    """Store the fp32 tile acc (BLOCK_M, BLOCK_N) at rows offs_m, columns offs_n of C, after the
+    bias; PRE, when not None, gets the value before the GELU."""
+    if BIAS is not None:
+        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    c_offs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if PRE is not None:
+        tl.store(PRE + c_offs, acc.to(PRE.dtype.element_ty), mask=c_mask)
+    if APPLY_GELU:
+        acc = _gelu(acc)
+    tl.store(C + c_offs, acc.to(C.dtype.element_ty), mask=c_mask)
+
+
 @triton.autotune(configs=_matmul_configs(), key=["M", "N", "K"],
                  prune_configs_by={"early_config_prune": _prune_matmul_configs})
 @triton.heuristics({"EVEN_K": lambda meta: meta["K"] % meta["BLOCK_K"] == 0})
@@ -1307,14 +1342,7 @@ def _matmul_kernel(A, B, C, BIAS, PRE, M, N, K, stride_am, stride_ak, stride_bk,
     # C (M, N) = A (M, K) @ B (K, N) [+ BIAS (N,)] [then GELU], accumulated in fp32. PRE, when not
     # None, receives the value before the GELU (its backward needs it) and has C's strides. Every
     # operand takes any strides, so transposed views (the weight's .t()) need no copy.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n  # programs in one group of GROUP_M tile-rows
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)  # the last group may be shorter
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1340,15 +1368,79 @@ def _matmul_kernel(A, B, C, BIAS, PRE, M, N, K, stride_am, stride_ak, stride_bk,
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if BIAS is not None:
-        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    c_offs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if PRE is not None:
-        tl.store(PRE + c_offs, acc.to(PRE.dtype.element_ty), mask=c_mask)
-    if APPLY_GELU:
-        acc = _gelu(acc)
-    tl.store(C + c_offs, acc.to(C.dtype.element_ty), mask=c_mask)
+    _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU)
+
+
+def _tma_configs():
+    # persistent programs hold one tile's accumulator and the load ring: 3 stages of 128 x 256
+    # tiles is the deepest ring that fits beside the epilogue (4 does not: out of shared memory)
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})]
+    tiles = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4),
+             (64, 128, 64, 4, 4)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
+            for m, n, k, s, w in tiles]
+
+
+@triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "A_T", "B_T"],
+                 prune_configs_by={"early_config_prune": _prune_matmul_configs})
+@triton.jit
+def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_cm, stride_cn,
+                       A_T: tl.constexpr, B_T: tl.constexpr, APPLY_GELU: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # The same product, persistent, with TMA loads. A is stored (M, K) row-major with row stride
+    # stride_a, or when A_T its transpose is: (K, M). B likewise: (K, N), or (N, K) when B_T (an
+    # nn.Linear weight). The other arguments are as for _matmul_kernel.
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(A, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(B, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    # flatten: one software pipeline over the (tile, k) pairs, so the next tile's first loads are
+    # in flight while this tile finishes
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):  # past K the loads are zeros: no tail mask
+            if A_T:
+                a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M]).T
+            else:
+                a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            if B_T:
+                b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
+            if _INTERPRET:  # as in _matmul_kernel
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU)
+
+
+def _tma_layout(x):
+    """How TMA can read the 2-D operand x: (False, row stride) if its rows are contiguous,
+    (True, column stride) if its columns are (x is a transposed view), None if neither fits."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.data_ptr() % 16:
+        return None
+    for transposed, unit, other in ((False, 1, 0), (True, 0, 1)):
+        if x.stride(unit) == 1 and (x.stride(other) * x.element_size()) % 16 == 0 and x.stride(other) > 0:
+            return transposed, x.stride(other)
+    return None
+
+
+def _use_tma(a):
+    return INTERPRET or torch.cuda.get_device_capability(a.device)[0] >= 9
+
+
+def _scratch(size, alignment, stream):
+    """Global memory for the tensor descriptors a kernel builds (Triton asks via set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
@@ -1356,9 +1448,17 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     (M, K), N = a.shape, b.shape[1]
     # fp32 inputs: full-precision products, as torch's default for fp32 matmul (not TF32)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _matmul_kernel[grid](a, b, out, bias, pre, M, N, K, *a.stride(), *b.stride(), *out.stride(),
-                         APPLY_GELU=apply_gelu, DOT_PRECISION=precision)
+    tiles = lambda meta: triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])  # noqa: E731
+    a_tma, b_tma = _tma_layout(a), _tma_layout(b)
+    if a_tma and b_tma and _use_tma(a):
+        programs = 2 if INTERPRET else torch.cuda.get_device_properties(a.device).multi_processor_count
+        triton.set_allocator(_scratch)
+        _matmul_tma_kernel[lambda meta: (min(programs, tiles(meta)),)](
+            a, b, out, bias, pre, M, N, K, a_tma[1], b_tma[1], *out.stride(),
+            A_T=a_tma[0], B_T=b_tma[0], APPLY_GELU=apply_gelu)
+    else:
+        _matmul_kernel[lambda meta: (tiles(meta),)](a, b, out, bias, pre, M, N, K, *a.stride(), *b.stride(),
+                                                    *out.stride(), APPLY_GELU=apply_gelu, DOT_PRECISION=precision)
     return out
 
 
@@ -2248,10 +2348,6 @@ def _dot_precision(dtype):
     good to about 1e-6, where plain tf32 (Triton's default) keeps 10 mantissa bits and "ieee"
     leaves the tensor cores. float16 and bfloat16 ignore the setting."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def _scratch(size, alignment, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _launch(kernel, grid, *args, **meta):

@@ -192,6 +192,35 @@ def test_matmul_linear_layout(s, gen, n):
             TOL[torch.float32], gen)
 
 
+def tma_operands(s, gen, m, k, n, a_t, b_t, dtype, device=DEVICE):
+    """a (m, k) and b (k, n) in bf16/fp16, stored transposed where asked (a.t() of a (k, m) tensor),
+    with rows of whole 16-byte multiples: the layouts the TMA matmul kernel reads."""
+    a = randn(gen, k, m, dtype=dtype, device=device).t() if a_t else randn(gen, m, k, dtype=dtype, device=device)
+    b = (randn(gen, n, k, dtype=dtype, scale=k ** -0.5, device=device).t() if b_t
+         else randn(gen, k, n, dtype=dtype, scale=k ** -0.5, device=device))
+    assert s._tma_layout(a)[0] == a_t and s._tma_layout(b)[0] == b_t
+    return a, b
+
+
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_matmul_tma_layouts(s, gen, a_t, b_t):
+    # the forward on each of the four layouts; the backward then multiplies transposed views
+    a, b = tma_operands(s, gen, 40, 48, 24, a_t, b_t, torch.bfloat16)
+    bias = randn(gen, 24, dtype=torch.bfloat16)
+    check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
+                [a, b, bias], TOL[torch.bfloat16], gen)
+
+
+def test_matmul_tma_declines(s):
+    # what TMA cannot read goes to the pointer kernel: fp32, rows of 7 bf16 (14 bytes), no unit stride
+    x = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert s._tma_layout(x.float()) is None
+    assert s._tma_layout(torch.zeros(8, 7, dtype=torch.bfloat16)) is None
+    assert s._tma_layout(x[:, ::2]) is None
+    assert s._tma_layout(x[:, 1:]) is None  # base not 16-byte aligned
+
+
 def test_matmul_no_bias_no_grad(s, gen):
     a, b = randn(gen, 17, 31), randn(gen, 31, 9)
     with torch.no_grad():
@@ -413,6 +442,17 @@ def test_matmul_gpu(s, gen, dtype):
             [a, w, bias], TOL[dtype], gen)
     b = randn(gen, k, n, dtype=dtype, scale=k ** -0.5)
     check_close(lambda a, b: s.matmul(a, b), lambda a, b: a @ b, [a, b], TOL[dtype], gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_matmul_tma_gpu(s, gen, a_t, b_t):
+    a, b = tma_operands(s, gen, 1000, 776, 2056, a_t, b_t, torch.bfloat16)
+    bias = randn(gen, 2056, dtype=torch.bfloat16)
+    poison_cache(a, b)
+    check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
+                [a, b, bias], TOL[torch.bfloat16], gen)
 
 
 @pytest.mark.gpu
