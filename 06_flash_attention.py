@@ -1382,15 +1382,16 @@ def _tma_configs():
             for m, n, k, s, w in tiles]
 
 
-@triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "A_T", "B_T"],
+@triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "A_T", "B_T", "C_TMA"],
                  prune_configs_by={"early_config_prune": _prune_matmul_configs})
 @triton.jit
 def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_cm, stride_cn,
-                       A_T: tl.constexpr, B_T: tl.constexpr, APPLY_GELU: tl.constexpr,
+                       A_T: tl.constexpr, B_T: tl.constexpr, C_TMA: tl.constexpr, APPLY_GELU: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # The same product, persistent, with TMA loads. A is stored (M, K) row-major with row stride
     # stride_a, or when A_T its transpose is: (K, M). B likewise: (K, N), or (N, K) when B_T (an
-    # nn.Linear weight). The other arguments are as for _matmul_kernel.
+    # nn.Linear weight). C_TMA: C (and PRE) are row-major, so tiles leave by TMA stores too, which
+    # drop the rows and columns past the edge themselves. The rest is as for _matmul_kernel.
     if A_T:
         a_desc = tl.make_tensor_descriptor(A, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
     else:
@@ -1420,7 +1421,19 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
             acc = tl.dot(a, b, acc)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU)
+        if C_TMA:
+            c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+            if BIAS is not None:
+                acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            if PRE is not None:
+                pre_desc = tl.make_tensor_descriptor(PRE, shape=[M, N], strides=[stride_cm, 1],
+                                                     block_shape=[BLOCK_M, BLOCK_N])
+                pre_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(PRE.dtype.element_ty))
+            if APPLY_GELU:
+                acc = _gelu(acc)
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(C.dtype.element_ty))
+        else:
+            _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU)
 
 
 def _tma_layout(x):
@@ -1449,13 +1462,13 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     # fp32 inputs: full-precision products, as torch's default for fp32 matmul (not TF32)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     tiles = lambda meta: triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])  # noqa: E731
-    a_tma, b_tma = _tma_layout(a), _tma_layout(b)
+    a_tma, b_tma, c_tma = _tma_layout(a), _tma_layout(b), _tma_layout(out)
     if a_tma and b_tma and _use_tma(a):
         programs = 2 if INTERPRET else torch.cuda.get_device_properties(a.device).multi_processor_count
         triton.set_allocator(_scratch)
         _matmul_tma_kernel[lambda meta: (min(programs, tiles(meta)),)](
             a, b, out, bias, pre, M, N, K, a_tma[1], b_tma[1], *out.stride(),
-            A_T=a_tma[0], B_T=b_tma[0], APPLY_GELU=apply_gelu)
+            A_T=a_tma[0], B_T=b_tma[0], C_TMA=c_tma is not None and not c_tma[0], APPLY_GELU=apply_gelu)
     else:
         _matmul_kernel[lambda meta: (tiles(meta),)](a, b, out, bias, pre, M, N, K, *a.stride(), *b.stride(),
                                                     *out.stride(), APPLY_GELU=apply_gelu, DOT_PRECISION=precision)
