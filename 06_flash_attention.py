@@ -855,7 +855,7 @@ def _launch_rows(fused_kernel, looped_kernel, args, n_rows, n_cols, **meta):
     block_n = triton.next_power_of_2(n_cols)
     if block_n <= _MAX_FUSED_N:
         rows = min(max(1, _FUSED_ELEMS // block_n), triton.next_power_of_2(n_rows))
-        warps = min(16, max(4, rows * block_n // 512))  # 8 to 32 values a thread
+        warps = min(16, max(4, rows * block_n // 1024))  # up to 32 values a thread
         fused_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, ROWS=rows, BLOCK_N=block_n,
                                                    num_warps=warps, **meta)
     else:
@@ -1373,13 +1373,24 @@ def _matmul_kernel(A, B, C, BIAS, PRE, M, N, K, stride_am, stride_ak, stride_bk,
 
 def _tma_configs():
     # persistent programs hold one tile's accumulator and the load ring: 3 stages of 128 x 256
-    # tiles is the deepest ring that fits beside the epilogue (4 does not: out of shared memory)
+    # tiles (4 fit beside the half-tile epilogue buffer, but measured no faster)
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})]
     tiles = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4),
              (64, 128, 64, 4, 4)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
             for m, n, k, s, w in tiles]
+
+
+@triton.jit
+def _store_halves(C, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """TMA-store the fp32 tile acc as C's dtype, in two (BLOCK_M, BLOCK_N / 2) halves: the staging
+    buffer in shared memory is half a tile, and the first half is on its way while the second is
+    converted. Against one whole-tile store, with GROUP_M 8: as fast at 4096^3, 5% faster at 8192^3."""
+    desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
+    left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+    desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(C.dtype.element_ty))
+    desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(C.dtype.element_ty))
 
 
 @triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "A_T", "B_T", "C_TMA"],
@@ -1422,16 +1433,13 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if C_TMA:
-            c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
             if BIAS is not None:
                 acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             if PRE is not None:
-                pre_desc = tl.make_tensor_descriptor(PRE, shape=[M, N], strides=[stride_cm, 1],
-                                                     block_shape=[BLOCK_M, BLOCK_N])
-                pre_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(PRE.dtype.element_ty))
+                _store_halves(PRE, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M, BLOCK_N)
             if APPLY_GELU:
                 acc = _gelu(acc)
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(C.dtype.element_ty))
+            _store_halves(C, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M, BLOCK_N)
         else:
             _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU)
 
