@@ -1040,8 +1040,8 @@ def _norm_bwd_looped_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, 
 
 
 @triton.jit
-def _column_sum_kernel(X, OUT, n_rows, N, rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # X (n_rows, N) -> OUT (programs along axis 1, N): program (j, g) sums rows
+def _column_sum_kernel(X, OUT, n_rows, N, stride_x, rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # X (n_rows, N), rows stride_x apart -> OUT (programs along axis 1, N): program (j, g) sums rows
     # [g * rows_per_program, (g + 1) * rows_per_program) of columns block j, in fp32.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first = tl.program_id(1) * rows_per_program
@@ -1049,12 +1049,14 @@ def _column_sum_kernel(X, OUT, n_rows, N, rows_per_program, BLOCK_M: tl.constexp
     for i in range(0, rows_per_program, BLOCK_M):
         rows = first + i + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < n_rows) & (rows[:, None] < first + rows_per_program) & (cols[None, :] < N)
-        acc += tl.load(X + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + tl.program_id(1) * N + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cols < N)
 
 
 def _column_sum(x, dtype):
     """x (rows, N) summed over its rows -> (N,) in `dtype`: partial sums of row groups, then their sum."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
     n_rows, n_cols = x.shape
     block_n = min(triton.next_power_of_2(n_cols), 256)
     block_m = 4096 // block_n  # a 4,096-element tile per step
@@ -1062,11 +1064,12 @@ def _column_sum(x, dtype):
     if n_rows > 512:
         groups = triton.cdiv(n_rows, 256)
         part = torch.empty((groups, n_cols), device=x.device, dtype=torch.float32)
-        _column_sum_kernel[(grid_n, groups)](x, part, n_rows, n_cols, 256, BLOCK_M=block_m, BLOCK_N=block_n,
-                                             num_warps=8)
+        _column_sum_kernel[(grid_n, groups)](x, part, n_rows, n_cols, x.stride(0), 256, BLOCK_M=block_m,
+                                             BLOCK_N=block_n, num_warps=8)
         x, n_rows = part, groups
     out = torch.empty(n_cols, device=x.device, dtype=dtype)
-    _column_sum_kernel[(grid_n, 1)](x, out, n_rows, n_cols, n_rows, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+    _column_sum_kernel[(grid_n, 1)](x, out, n_rows, n_cols, x.stride(0), n_rows, BLOCK_M=block_m, BLOCK_N=block_n,
+                                    num_warps=8)
     return out
 
 
@@ -1208,6 +1211,7 @@ def _launch_elementwise(kernel, *tensors):
 
 
 def _gelu_backward(x, dy):
+    x = x.contiguous()  # a matmul's GELU input may have padded rows (see _empty_aligned_rows)
     dx = torch.empty_like(x)
     _launch_elementwise(_gelu_bwd_kernel, x, dy.contiguous(), dx)
     return dx
@@ -1464,6 +1468,18 @@ def _scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _empty_aligned_rows(m, n, like):
+    """An empty (m, n) tensor like `like` whose rows start 16 bytes apart or a multiple of that:
+    TMA needs every row stride to be a multiple of 16 bytes. GPT-2's 50,257 logits a row are not
+    (100,514 bytes in bf16), so they get a row stride of 50,264 (7 unused values a row): a strided
+    view, not a contiguous tensor. The in-place cross-entropy writes the logits' gradient in the
+    same layout, and both backward products with that gradient keep the TMA kernel; in a padded
+    layout they fell to the pointer kernel, at 187 TFLOP/s (GPT-2 124M, B=16, T=1,024, H200)."""
+    per_16_bytes = 16 // like.element_size()
+    stride = triton.cdiv(n, per_16_bytes) * per_16_bytes
+    return torch.empty((m, stride), device=like.device, dtype=like.dtype)[:, :n]
+
+
 def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     """out (M, N) = a (M, K) @ b (K, N) [+ bias] [GELU], any strides; pre (like out) gets the value before GELU."""
     (M, K), N = a.shape, b.shape[1]
@@ -1486,10 +1502,10 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
 class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, activation):  # a (M, K), b (K, N), bias (N,) or None
-        out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
+        out = _empty_aligned_rows(a.shape[0], b.shape[1], a)
         gelu_epilogue = activation == "gelu"
         # the GELU backward needs its input: keep it (written by the same epilogue) only if training
-        pre = torch.empty_like(out) if gelu_epilogue and any(ctx.needs_input_grad[:3]) else None
+        pre = _empty_aligned_rows(*out.shape, a) if gelu_epilogue and any(ctx.needs_input_grad[:3]) else None
         _mm(a, b, out, bias, pre, gelu_epilogue)
         ctx.save_for_backward(a, b, pre)
         ctx.has_bias = bias is not None
@@ -1514,7 +1530,8 @@ class _Matmul(torch.autograd.Function):
 def matmul(a, b, bias=None, activation=None):
     """a (..., K) @ b (K, N) [+ bias (N,)], then activation None or "gelu": (..., N) in a's dtype.
     fp32 accumulation; any strides (b may be a weight's .t()). Under torch.autocast the inputs are
-    cast to the autocast dtype first, as autocast does for F.linear."""
+    cast to the autocast dtype first, as autocast does for F.linear. Where N values are not a whole
+    number of 16-byte units, the result is a view with padded rows (see _empty_aligned_rows)."""
     if activation not in (None, "gelu"):
         raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
     _check("a", a, contiguous=False)
@@ -1551,20 +1568,20 @@ def matmul(a, b, bias=None, activation=None):
 
 
 @triton.jit
-def _cross_entropy_fwd_kernel(LOGITS, TARGETS, LOSS, LSE, V, ignore_index, BLOCK_V: tl.constexpr):
-    # LOGITS (rows, V), TARGETS (rows,); LOSS, LSE (rows,) fp32. One program per row.
+def _cross_entropy_fwd_kernel(LOGITS, TARGETS, LOSS, LSE, V, stride, ignore_index, BLOCK_V: tl.constexpr):
+    # LOGITS (rows, V), rows `stride` apart, TARGETS (rows,); LOSS, LSE (rows,) fp32. One program per row.
     row = tl.program_id(0).to(tl.int64)
-    lse = _row_logsumexp(LOGITS + row * V, V, BLOCK_V)
+    lse = _row_logsumexp(LOGITS + row * stride, V, BLOCK_V)
     target = tl.load(TARGETS + row)
     valid = target != ignore_index
-    x_target = tl.load(LOGITS + row * V + target, mask=valid, other=0.0).to(tl.float32)
+    x_target = tl.load(LOGITS + row * stride + target, mask=valid, other=0.0).to(tl.float32)
     tl.store(LOSS + row, tl.where(valid, lse - x_target, 0.0))
     tl.store(LSE + row, lse)
 
 
 @triton.jit
-def _cross_entropy_bwd_kernel(LOGITS, DLOGITS, TARGETS, LSE, SCALE, V, ignore_index, BLOCK_V: tl.constexpr):
-    # DLOGITS (rows, V), possibly LOGITS itself: each element is read before this program writes it.
+def _cross_entropy_bwd_kernel(LOGITS, DLOGITS, TARGETS, LSE, SCALE, V, stride, ignore_index, BLOCK_V: tl.constexpr):
+    # DLOGITS (rows, V), laid out as LOGITS or LOGITS itself: each element is read before this program writes it.
     # SCALE: one fp32, d(loss) / n_valid, read on the device so that the host never waits.
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(TARGETS + row)
@@ -1572,18 +1589,18 @@ def _cross_entropy_bwd_kernel(LOGITS, DLOGITS, TARGETS, LSE, SCALE, V, ignore_in
     lse = tl.load(LSE + row)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(LOGITS + row * V + cols, mask=cols < V, other=0.0).to(tl.float32)
+        x = tl.load(LOGITS + row * stride + cols, mask=cols < V, other=0.0).to(tl.float32)
         grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-        tl.store(DLOGITS + row * V + cols, grad.to(DLOGITS.dtype.element_ty), mask=cols < V)
+        tl.store(DLOGITS + row * stride + cols, grad.to(DLOGITS.dtype.element_ty), mask=cols < V)
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, inplace_backward):  # logits (rows, V), targets (rows,)
-        n_rows, vocab = logits.shape
+        n_rows, vocab = logits.shape  # rows logits.stride(0) apart, each contiguous
         losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
         lse = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
-        _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, lse, vocab, ignore_index,
+        _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, lse, vocab, logits.stride(0), ignore_index,
                                              BLOCK_V=_CHUNK, num_warps=8)
         n_valid = (targets != ignore_index).sum()
         ctx.save_for_backward(logits, targets, lse, n_valid)
@@ -1594,18 +1611,21 @@ class _CrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dloss):
         logits, targets, lse, n_valid = ctx.saved_tensors
-        dlogits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        dlogits = logits if ctx.inplace_backward else torch.empty_strided(
+            logits.shape, logits.stride(), device=logits.device, dtype=logits.dtype)
         scale = (dloss / n_valid).float()
         _cross_entropy_bwd_kernel[(logits.shape[0],)](logits, dlogits, targets, lse, scale, logits.shape[1],
-                                                      ctx.ignore_index, BLOCK_V=_CHUNK, num_warps=8)
+                                                      logits.stride(0), ctx.ignore_index, BLOCK_V=_CHUNK,
+                                                      num_warps=8)
         return dlogits, None, None, None
 
 
 def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     """Mean cross-entropy of logits (..., V) against integer targets (...), skipping targets equal
     to ignore_index; an fp32 scalar. inplace_backward=True writes the gradient over the logits
-    (see above). Checking the targets' range reads one bool back from the GPU."""
-    _check("logits", logits)
+    (see above). Rows may be padded (a matmul's logits are, see _empty_aligned_rows), each row
+    contiguous. Checking the targets' range reads one bool back from the GPU."""
+    _check("logits", logits, contiguous=False)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be an int64 or int32 tensor, not {getattr(targets, 'dtype', type(targets))}")
     if targets.shape != logits.shape[:-1]:
@@ -1617,8 +1637,10 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     vocab = logits.shape[-1]
     if (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():
         raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index ({ignore_index})")
-    return _CrossEntropy.apply(logits.view(-1, vocab), targets.reshape(-1), ignore_index,
-                               inplace_backward)
+    rows = logits.reshape(-1, vocab)  # a view where the layout allows, else a copy
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return _CrossEntropy.apply(rows, targets.reshape(-1), ignore_index, inplace_backward)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -221,6 +221,35 @@ def test_matmul_tma_declines(s):
     assert s._tma_layout(x[:, 1:]) is None  # base not 16-byte aligned
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_pads_unaligned_rows(s, gen, dtype):
+    # 47 values a row are not a whole number of 16-byte units: the rows of the result (and of the
+    # GELU input kept for backward) are padded to 48, and nothing reads or writes the padding
+    a, b, bias = randn(gen, 33, 40, dtype=dtype), randn(gen, 40, 47, dtype=dtype, scale=0.2), randn(gen, 47, dtype=dtype)
+    out = s.matmul(a, b)
+    assert out.shape == (33, 47) and out.stride() == (48, 1)
+    assert s.matmul(a, b[:, :40]).is_contiguous()  # 40 values: no padding
+    check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
+                [a, b, bias], TOL[dtype], gen)
+
+
+def test_matmul_transposed_upstream_gradient(s, gen):
+    # out.t() hands the backward a gradient whose rows are not contiguous (the bias sum copies it)
+    a, b, bias = randn(gen, 600, 24), randn(gen, 24, 16, scale=0.2), randn(gen, 16)
+    check_close(lambda a, b, bias: s.matmul(a, b, bias).t(), lambda a, b, bias: matmul_ref(a, b, bias).t(),
+                [a, b, bias], TOL[torch.float32], gen)
+
+
+def test_cross_entropy_on_padded_logits(s, gen):
+    # the training path: lm_head's matmul gives logits with padded rows (97 values), the in-place
+    # loss writes their gradient in that layout, and the matmul's backward reads it
+    x, w = randn(gen, 2, 5, 16), randn(gen, 97, 16, scale=0.3)
+    targets = torch.randint(97, (2, 5), generator=gen).to(DEVICE)
+    assert s.matmul(x, w.t()).stride() == (5 * 100, 100, 1)
+    check_close(lambda x, w: s.cross_entropy(s.matmul(x, w.t()), targets, inplace_backward=True),
+                lambda x, w: F.cross_entropy((x @ w.t()).flatten(0, 1), targets.flatten()), [x, w], 1e-5, gen)
+
+
 def test_matmul_no_bias_no_grad(s, gen):
     a, b = randn(gen, 17, 31), randn(gen, 31, 9)
     with torch.no_grad():
