@@ -374,7 +374,9 @@ class GPT(nn.Module):
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} exceeds the context length "
                              f"{self.cfg.context_length}")
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
+        # the range check reads back from the GPU, which a CUDA graph capture cannot do
+        capturing = idx.is_cuda and torch.cuda.is_current_stream_capturing()
+        if idx.numel() and not capturing and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
                              f"[{idx.min().item()}, {idx.max().item()}]")
         pos = torch.arange(T, device=idx.device)
@@ -433,14 +435,15 @@ def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio=0.1):
     return max_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model, lr, weight_decay, device):
+def make_optimizer(model, lr, weight_decay, device, capturable=False):  # changed: capturable
     """AdamW with weight decay on the matrices only (decaying biases and norm gains only hurts).
-    On a GPU the fused implementation updates every parameter in one kernel launch."""
+    On a GPU the fused implementation updates every parameter in one kernel launch; capturable
+    keeps its step count on the GPU, so that a CUDA graph can replay the update (cuda_graph_step)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     fused = torch.device(device).type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused, capturable=capturable)
 
 
 def flops_per_token(model, T):
@@ -1624,7 +1627,8 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     """Mean cross-entropy of logits (..., V) against integer targets (...), skipping targets equal
     to ignore_index; an fp32 scalar. inplace_backward=True writes the gradient over the logits
     (see above). Rows may be padded (a matmul's logits are, see _empty_aligned_rows), each row
-    contiguous. Checking the targets' range reads one bool back from the GPU."""
+    contiguous. Checking the targets' range reads one bool back from the GPU (skipped while a CUDA
+    graph is captured, see cuda_graph_step)."""
     _check("logits", logits, contiguous=False)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be an int64 or int32 tensor, not {getattr(targets, 'dtype', type(targets))}")
@@ -1635,7 +1639,8 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     _check("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
            contiguous=False)
     vocab = logits.shape[-1]
-    if (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():
+    capturing = targets.is_cuda and torch.cuda.is_current_stream_capturing()  # no read-back in a capture
+    if not capturing and (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():
         raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index ({ignore_index})")
     rows = logits.reshape(-1, vocab)  # a view where the layout allows, else a copy
     if rows.stride(1) != 1:
@@ -2657,9 +2662,41 @@ def build_config(preset, context_length, dropout):
     return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout)
 
 
+# A training step of GPT-2 124M on these kernels launches over 900 kernels, and Python spends
+# 30-110 us on each launch (Triton's autotuner lookup and argument binding, the wrapper's checks;
+# 300 us for a flash backward). At B=16, T=1,024 the host needed 67-85 ms a step where the GPU
+# needs 42, so the GPU waits (H200, --bench). A CUDA graph records the kernels of one step once,
+# with their arguments, and replays them all with one launch: no Python at all. What a replay
+# cannot do is anything that depends on the host: reading a value back (the range checks skip
+# themselves during capture), a new tensor shape, a new allocation (the graph keeps its own memory
+# pool), or a Python-side branch on data. The inputs must be the same tensors each time; to feed
+# new data, copy it into them.
+
+def cuda_graph_step(step, warmup=3):
+    """Run step() `warmup` times (autotuning, allocations) on a side stream, as capture requires,
+    then capture one call in a CUDA graph. Returns replay(): one launch reruns every kernel of step
+    and returns what the captured call returned (the same tensors, rewritten by each replay). An
+    optimizer stepped inside must be capturable (make_optimizer(..., capturable=True))."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    def replay():
+        graph.replay()
+        return outputs
+    return replay
+
+
 def bench(args, device):
     """Training throughput on random tokens: torch eager and torch.compile, both with SDPA
-    attention, against the stage's kernels (Triton kernels + flash attention)."""
+    attention, against the stage's kernels (Triton kernels + flash attention), launched from
+    Python and replayed as a CUDA graph (cuda_graph_step)."""
     T = args.context_length or (1024 if device.type == "cuda" else 128)
     B = args.batch_size or (16 if device.type == "cuda" else 4)
     preset = args.model or ("124M" if device.type == "cuda" else "tiny")
@@ -2668,16 +2705,21 @@ def bench(args, device):
     print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
           f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
     rows = []
-    for mode in ("eager + SDPA", "torch.compile + SDPA", "triton + flash"):  # changed: stage 06
+    modes = ["eager + SDPA", "torch.compile + SDPA", "triton + flash"]  # changed: stage 06
+    if device.type == "cuda":
+        modes.append("triton + flash, graph")
+    for mode in modes:
         torch.manual_seed(args.seed)
         model = GPT(build_config(preset, T, 0.0)).to(device)
         step_model = torch.compile(model) if mode == "torch.compile + SDPA" else model
-        step_loss = triton_loss_fn if mode == "triton + flash" else loss_fn
-        if mode == "triton + flash":
+        ours = mode.startswith("triton")
+        step_loss = triton_loss_fn if ours else loss_fn
+        if ours:
             use_flash_attention(use_triton_kernels(model))
         else:
             use_attention(model, attend_sdpa)
-        opt = make_optimizer(model, 1e-4, 0.1, device)
+        graphed = mode.endswith("graph")
+        opt = make_optimizer(model, 1e-4, 0.1, device, capturable=graphed)
         x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), device=device)
 
         def one_step():
@@ -2689,8 +2731,11 @@ def bench(args, device):
             opt.step()
             return loss
 
-        for _ in range(3):  # warm-up: compilation, allocator, cuBLAS heuristics
-            one_step()
+        if graphed:  # the warm-up runs inside cuda_graph_step
+            one_step = cuda_graph_step(one_step)
+        else:
+            for _ in range(3):  # warm-up: compilation, allocator, cuBLAS heuristics
+                one_step()
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -2701,9 +2746,9 @@ def bench(args, device):
         mfu = flops_per_token(model, T) * tok_s / peak if peak else None
         rows.append((mode, tok_s, mfu, loss.item()))
         del model, step_model, opt
-    print(f"{'mode':<22}{'tokens/s':>12}{'MFU':>8}{'loss':>8}")
+    print(f"{'mode':<24}{'tokens/s':>12}{'MFU':>8}{'loss':>8}")
     for mode, tok_s, mfu, loss in rows:
-        print(f"{mode:<22}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
+        print(f"{mode:<24}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
 
 
 def main():
