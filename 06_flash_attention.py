@@ -1472,12 +1472,12 @@ def _scratch(size, alignment, stream):
 
 
 def _empty_aligned_rows(m, n, like):
-    """An empty (m, n) tensor like `like` whose rows start 16 bytes apart or a multiple of that:
-    TMA needs every row stride to be a multiple of 16 bytes. GPT-2's 50,257 logits a row are not
-    (100,514 bytes in bf16), so they get a row stride of 50,264 (7 unused values a row): a strided
-    view, not a contiguous tensor. The in-place cross-entropy writes the logits' gradient in the
-    same layout, and both backward products with that gradient keep the TMA kernel; in a padded
-    layout they fell to the pointer kernel, at 187 TFLOP/s (GPT-2 124M, B=16, T=1,024, H200)."""
+    """An empty (m, n) tensor like `like` whose row stride is a whole number of 16-byte units, as
+    TMA requires. GPT-2's 50,257 logits a row are not (100,514 bytes in bf16), so they get a row
+    stride of 50,264 (7 unused values a row): a strided view, not a contiguous tensor. The in-place
+    cross-entropy writes the logits' gradient in the same layout, so both backward products with
+    that gradient keep the TMA kernel. With unpadded rows they fell to the pointer kernel, at 187
+    TFLOP/s, 13.5 ms of a 53 ms training step (GPT-2 124M, B=16, T=1,024, H200)."""
     per_16_bytes = 16 // like.element_size()
     stride = triton.cdiv(n, per_16_bytes) * per_16_bytes
     return torch.empty((m, stride), device=like.device, dtype=like.dtype)[:, :n]
