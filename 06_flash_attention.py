@@ -1643,7 +1643,7 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     if not capturing and (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():
         raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index ({ignore_index})")
     rows = logits.reshape(-1, vocab)  # a view where the layout allows, else a copy
-    if rows.stride(1) != 1:
+    if rows.stride(1) != 1 or rows.stride(0) < vocab:  # rows must be contiguous and must not overlap
         rows = rows.contiguous()
     return _CrossEntropy.apply(rows, targets.reshape(-1), ignore_index, inplace_backward)
 

@@ -250,6 +250,14 @@ def test_cross_entropy_on_padded_logits(s, gen):
                 lambda x, w: F.cross_entropy((x @ w.t()).flatten(0, 1), targets.flatten()), [x, w], 1e-5, gen)
 
 
+def test_cross_entropy_broadcast_logits(s, gen):
+    # rows that share memory (an expanded tensor, row stride 0) are copied apart first: written in
+    # place, or into a gradient of the same layout, every row would land on the same values
+    base, targets = randn(gen, 1, 300), torch.tensor([3, 7, 299, 0], device=DEVICE)
+    check_close(lambda b: s.cross_entropy(b.expand(4, 300), targets),
+                lambda b: F.cross_entropy(b.expand(4, 300), targets), [base], 1e-5, gen, out_dtype=torch.float32)
+
+
 def test_matmul_no_bias_no_grad(s, gen):
     a, b = randn(gen, 17, 31), randn(gen, 31, 9)
     with torch.no_grad():
