@@ -84,6 +84,8 @@ BAD_INPUTS = {
                           ValueError, "multiples of 8"),
     "tensor core alignment": (lambda s: s.matmul_tensor_core(torch.randn(129).bfloat16()[1:].view(16, 8),
                                                              torch.randn(8, 8).bfloat16()), ValueError, "aligned"),
+    "tensor core loads": (lambda s: s.matmul_tensor_core(X.bfloat16(), X.bfloat16().t().contiguous(), loads="tmem"),
+                          ValueError, "loads"),
     "wgmma operand": (lambda s: s.matmul_wgmma(X.bfloat16(), torch.randn(8, 16).bfloat16()), ValueError, "K columns"),
     "reduce method": (lambda s: s.reduce_sum(X, method="magic"), ValueError, "method"),
     "norm weight": (lambda s: s.layer_norm(X, torch.ones(7), torch.zeros(8)), ValueError, "weight"),
@@ -167,14 +169,19 @@ def test_register_tiled_matmul_bias(stage, M, N, K):
 TENSOR_CORE_SHAPES = [(1, 8, 8), (17, 1032, 4096), (1023, 264, 72), (4097, 520, 1000), (129, 256, 4104)]
 
 
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
 # bf16 inputs, fp32 accumulation, bf16 output: the output rounding (~2e-3) dominates
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", TENSOR_CORE_SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tensor_core_matmul(stage, M, N, K, with_bias):
+@pytest.mark.parametrize("loads", ["cp.async", pytest.param("tma", marks=pytest.mark.skipif(
+    not HOPPER, reason="TMA needs sm_90"))])
+def test_tensor_core_matmul(stage, M, N, K, with_bias, loads):
     a, b = rand(M, K, dtype=torch.bfloat16), rand(K, N, dtype=torch.bfloat16)
     bias = rand(N, dtype=torch.bfloat16) if with_bias else None
-    got = stage.matmul_tensor_core(a, b, bias=bias, out=poisoned((M, N), torch.bfloat16))
+    got = stage.matmul_tensor_core(a, b, bias=bias, out=poisoned((M, N), torch.bfloat16), loads=loads)
     ref = a.double() @ b.double() + (bias.double() if with_bias else 0.0)
     assert rel_err(got, ref) <= 5e-3
 
@@ -293,7 +300,7 @@ def test_generation_on_kernels(stage):
 
 # Last in the file: the newest kernel. A fault in it would end the CUDA context for what follows.
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="wgmma needs sm_90")
+@pytest.mark.skipif(not HOPPER, reason="wgmma needs sm_90")
 @pytest.mark.parametrize("M,N,K", TENSOR_CORE_SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_wgmma_matmul(stage, M, N, K, with_bias):
