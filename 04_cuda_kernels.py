@@ -6,7 +6,8 @@ What this stage teaches
     11. CUDA: grids, blocks and threads, coalescing, 16-byte loads, on a vector add; kernels are
         inline strings built once with torch.utils.cpp_extension.load_inline.
     12. Fast matrix multiplication, in steps to diff: naive -> shared-memory tiled ->
-        register-tiled (fp32) -> tensor cores (bf16, mma.sync) -> Hopper wgmma.
+        register-tiled (fp32) -> tensor cores (bf16, mma.sync; fed by cp.async, then by Hopper's
+        TMA) -> Hopper wgmma.
     13. Reductions and numerics: atomics -> shared-memory tree -> warp shuffles, for sum and max;
         the online softmax, layer norm (Welford), GELU and the fused bias + GELU.
     Each kernel has a wrapper that checks its inputs; the stage-03 GPT runs its forward on the
@@ -810,7 +811,8 @@ def summation_order_demo(n=1 << 24, seed=0):
 # launch_* function (grid size, block size, which variant), so csrc/ tests the very launch logic
 # used here. All kernels are float32 except the tensor-core matmuls (bf16 in and out). The matmul
 # steps, each timed against the last by bench_kernels(): naive -> shared-memory tiles ->
-# register tiles (fp32) -> tensor cores with mma.sync (bf16) -> wgmma (bf16, Hopper only).
+# register tiles (fp32) -> tensor cores with mma.sync (bf16; cp.async, then TMA on Hopper) -> wgmma
+# (bf16, Hopper only).
 
 COMMON_CU = r"""
 #include <cuda_bf16.h>
