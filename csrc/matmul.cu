@@ -173,8 +173,8 @@ __global__ void __launch_bounds__(RT_THREADS, 2)
 //    TMA (sm_90, Hopper): one thread asks the Tensor Memory Accelerator for whole 2-D boxes,
 //      described by "tensor maps" built on the host; they land already swizzled and count their
 //      bytes on an mbarrier, which everyone waits on. The other 255 threads issue no copies and
-//      compute no addresses. Measured at 4096^3 on the H200: 0.42-0.45x cuBLAS with cp.async,
-//      0.54-0.56x with TMA.
+//      compute no addresses. Measured at 4096^3 on the H200: 0.38-0.45x cuBLAS with cp.async,
+//      0.51-0.56x with TMA.
 //  - ldmatrix loads a warp's operand fragments from shared memory in the exact register layout
 //    mma expects (.trans transposes B, stored k-major, on the way); the fragments of the next
 //    k-step of 16 are loaded while the mma of this one run.
