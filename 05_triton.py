@@ -772,6 +772,7 @@ def vector_add(x, y):
 # row's logsumexp, a second pass writes exp(x - lse), 1.5x the bytes of the fused kernel.
 
 _MAX_FUSED_N = 16384  # widest row kept whole in registers (forward)
+_MAX_FUSED_NORM_N = 8192  # the norms stream wider 16-bit rows, and fp32 rows from 2,048 (_Norm)
 _MAX_FUSED_BWD_N = 8192  # the norm backward also keeps w, dw and db per program: half the width
 _FUSED_ELEMS = 4096  # elements a backward program takes when rows are narrower than this
 _FUSED_ELEMS_FWD = 1024  # the same for the forward kernels: one warp of 32 values a thread
@@ -893,6 +894,9 @@ def softmax(x):
 # LayerNorm y = (x - mean) * rstd * w + b; RMSNorm y = x * rstd * w with rstd from the mean square
 # alone. One kernel serves both (RMS is a constexpr: the compiler drops the branch not taken). The
 # forward reads x once and writes y, plus two floats a row (mean, rstd) that the backward reuses.
+# Wide rows are streamed instead, and read twice, the second time from L2: a wide row held whole
+# in registers leaves one or two programs per SM, whose loads stop while they reduce and store
+# (82-88% of copy bandwidth at 16,384 columns on the H200); the streamed kernel keeps loading.
 # The backward has two parts of different shape. dx is per row:
 #     xhat = (x - mean) * rstd,  g = w * dy,  dx = rstd * (g - xhat * mean(xhat * g) - mean(g))
 # (RMSNorm drops the last term). dw = sum over rows of dy * xhat and db = sum of dy are reductions
@@ -928,40 +932,77 @@ def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N, RMS: tl.constexpr,
 
 
 @triton.jit
-def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, eps, N, RMS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Wide rows, one program per row: pass 1 gathers the statistics chunk by chunk, pass 2 writes y.
+def _welford_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    # Combine two partial (mean, m2, count) into one (Chan et al.); an empty side changes nothing.
+    n = n_a + n_b
+    frac_b = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
+    delta = mean_b - mean_a
+    return mean_a + delta * frac_b, m2_a + m2_b + delta * delta * n_a * frac_b, n
+
+
+@triton.jit
+def _norm_fwd_chunk(x_ptr, w_ptr, b_ptr, y_ptr, cols, mean, rstd, N, MASKED: tl.constexpr):
+    # y = (x - mean) * rstd * w (+ b) for one chunk of a streamed row
+    mask = cols < N if MASKED else None
+    other = 0.0 if MASKED else None
+    x = tl.load(x_ptr + cols, mask=mask, other=other, eviction_policy="evict_first").to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
+    y = (x - mean) * rstd * w
+    if b_ptr is not None:
+        y += tl.load(b_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, eps, N: tl.constexpr, RMS: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    # Wide rows, one program per row, two passes over chunks of BLOCK_N. Pass 1 keeps running
+    # statistics *per lane* (Welford's update, one value at a time for each of the BLOCK_N lanes)
+    # and merges the lanes once, after the loop: no reduction across lanes, and so no barrier,
+    # inside the loop. N is a compile-time constant (one compile per row width): the loops over
+    # whole chunks have a known trip count, need no mask, and are unrolled, so the loads of
+    # several chunks are in flight at once; a ragged last chunk is handled after each loop.
+    # Pass 2 re-reads the row, which pass 1 asked L2 to keep, and writes y.
     row = tl.program_id(0).to(tl.int64)
-    count = 0.0  # values seen so far
-    mean = 0.0
-    m2 = 0.0  # sum of squared deviations from `mean` (sum of squares for RMS)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+    x_row = X + row * N
+    y_row = Y + row * N
+    FULL: tl.constexpr = N // BLOCK_N * BLOCK_N  # columns in whole chunks
+    cols = tl.arange(0, BLOCK_N)
+    mean = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum of squared deviations (of squares for RMS)
+    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
+        x = tl.load(x_row + start + cols, eviction_policy="evict_last").to(tl.float32)
         if RMS:
-            m2 += tl.sum(x * x, 0)
+            m2 += x * x
         else:
-            # merge this chunk's (count, mean, m2) into the running ones (Chan et al.): stable
-            # where sum(x^2) - sum(x)^2 / N would cancel
-            n_chunk = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-            mean_chunk = tl.sum(x, 0) / n_chunk
-            d = tl.where(cols < N, x - mean_chunk, 0.0)
-            delta = mean_chunk - mean
-            total = count + n_chunk
-            mean += delta * n_chunk / total
-            m2 += tl.sum(d * d, 0) + delta * delta * count * n_chunk / total
-            count = total
-    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+            delta = x - mean
+            mean += delta * (1.0 / (start // BLOCK_N + 1))  # the lane's k-th value: 1/k of the way
+            m2 += delta * (x - mean)
+    count = tl.full((BLOCK_N,), FULL // BLOCK_N, tl.float32)  # values each lane has seen
+    if FULL < N:  # the ragged last chunk: lanes inside the row take one more value
+        seen = FULL + cols < N
+        x = tl.load(x_row + FULL + cols, mask=seen, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if RMS:
+            m2 += x * x
+        else:
+            count += seen.to(tl.float32)
+            delta = tl.where(seen, x - mean, 0.0)
+            mean += delta / count
+            m2 += delta * (x - mean)
+    if RMS:
+        row_mean = 0.0
+        row_m2 = tl.sum(m2, axis=0)
+    else:
+        row_mean, row_m2, _ = tl.reduce((mean, m2, count), 0, _welford_merge)
+        tl.store(MEAN + row, row_mean)
+    rstd = 1.0 / tl.sqrt(row_m2 / N + eps)
     tl.store(RSTD + row, rstd)
-    if not RMS:
-        tl.store(MEAN + row, mean)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = (x - mean) * rstd * w
-        if B is not None:
-            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=cols < N)
+    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
+        _norm_fwd_chunk(x_row + start, W + start, B + start if B is not None else None, y_row + start,
+                        cols, row_mean, rstd, N, False)
+    if FULL < N:
+        _norm_fwd_chunk(x_row + FULL, W + FULL, B + FULL if B is not None else None, y_row + FULL,
+                        cols, row_mean, rstd, N - FULL, True)
 
 
 @triton.jit
@@ -1082,8 +1123,18 @@ class _Norm(torch.autograd.Function):
         y = torch.empty_like(x)
         mean = None if rms else torch.empty(n_rows, device=x.device, dtype=torch.float32)
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        _launch_rows(_norm_fwd_kernel, _norm_fwd_looped_kernel, (x, weight, bias, y, mean, rstd, eps),
-                     n_rows, n_cols, RMS=rms)
+        args = (x, weight, bias, y, mean, rstd, eps)
+        block_n = triton.next_power_of_2(n_cols)
+        if block_n > (1024 if x.element_size() == 4 else _MAX_FUSED_NORM_N):
+            # streamed where that measured faster on the H200: fp32 rows from 2,048 columns, 16-bit
+            # rows from 16,384. Chunks of half the row (at most _CHUNK), one 16-byte load a thread
+            # a chunk: 16 warps for 2,048 fp32 values, 32 for 4,096 (more warps, or more values a
+            # thread, measured slower at 4,096 and 16,384 columns)
+            chunk = min(_CHUNK, block_n // 2)
+            _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=rms, BLOCK_N=chunk,
+                                               num_warps=chunk * x.element_size() // (16 * 32))
+        else:
+            _launch_rows(_norm_fwd_kernel, _norm_fwd_looped_kernel, args, n_rows, n_cols, RMS=rms)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.rms = rms
         return y
