@@ -772,7 +772,7 @@ def vector_add(x, y):
 # row's logsumexp, a second pass writes exp(x - lse), 1.5x the bytes of the fused kernel.
 
 _MAX_FUSED_N = 16384  # widest row kept whole in registers (forward)
-_MAX_FUSED_NORM_N = 8192  # the norms stream wider 16-bit rows, and fp32 rows from 2,048 (_Norm)
+_MAX_FUSED_NORM_N = 8192  # the norms stream wider 16-bit rows, and fp32 rows from 1,024 (_Norm)
 _MAX_FUSED_BWD_N = 8192  # the norm backward also keeps w, dw and db per program: half the width
 _FUSED_ELEMS = 4096  # elements a backward program takes when rows are narrower than this
 _FUSED_ELEMS_FWD = 1024  # the same for the forward kernels: one warp of 32 values a thread
@@ -1125,11 +1125,11 @@ class _Norm(torch.autograd.Function):
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         args = (x, weight, bias, y, mean, rstd, eps)
         block_n = triton.next_power_of_2(n_cols)
-        if block_n > (1024 if x.element_size() == 4 else _MAX_FUSED_NORM_N):
-            # streamed where that measured faster on the H200: fp32 rows from 2,048 columns, 16-bit
-            # rows from 16,384. Chunks of half the row (at most _CHUNK), one 16-byte load a thread
-            # a chunk: 16 warps for 2,048 fp32 values, 32 for 4,096 (more warps, or more values a
-            # thread, measured slower at 4,096 and 16,384 columns)
+        if n_cols > _MAX_FUSED_NORM_N or (x.element_size() == 4 and n_cols >= 1024):
+            # streamed where that measured faster on the H200: fp32 rows from 1,024 columns, 16-bit
+            # rows above 8,192. Chunks of half the row (at most _CHUNK), one 16-byte load a thread
+            # a chunk: 4 warps for 512 fp32 values, 32 for 4,096 (more warps, or more values a
+            # thread, measured slower at 1,024, 4,096 and 16,384 columns)
             chunk = min(_CHUNK, block_n // 2)
             _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=rms, BLOCK_N=chunk,
                                                num_warps=chunk * x.element_size() // (16 * 32))

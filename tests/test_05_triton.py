@@ -105,11 +105,12 @@ def test_softmax_masked_rows(s, gen, n):
     check_close(s.softmax, lambda t: torch.softmax(t, -1), [x], TOL[torch.float32], gen)
 
 
-# every narrow shape in both dtypes; then the streamed forward (fp32 from 2,048 columns, bf16 above
-# 8,192) with whole chunks and a ragged last one (3,000 and 8,200), whole chunks only (12,288) and a
+# every narrow shape in both dtypes; then the streamed forward (fp32 from 1,024 columns, bf16 above
+# 8,192) with whole chunks only (1,024 and 12,288) and a ragged last one (1,030, 3,000, 8,200) and a
 # wide ragged bf16 row; the last three also take the streamed backward (> 8,192 columns)
 NORM_CASES = [(shape, dtype) for shape in ROW_SHAPES for dtype in (torch.float32, torch.bfloat16)] + [
-    ((3, 3000), torch.float32), ((3, 8200), torch.float32), ((2, 12288), torch.float32),
+    ((2, 1024), torch.float32), ((2, 1030), torch.float32), ((3, 3000), torch.float32),
+    ((3, 8200), torch.float32), ((2, 12288), torch.float32),
     ((2, 16411), torch.bfloat16)]
 
 
