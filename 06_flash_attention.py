@@ -992,7 +992,7 @@ def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, eps, N: tl.constexpr, RMS: t
         else:
             count += seen.to(tl.float32)
             delta = tl.where(seen, x - mean, 0.0)
-            mean += delta / count
+            mean += delta / tl.maximum(count, 1.0)  # a lane may have seen nothing yet
             m2 += delta * (x - mean)
     if RMS:
         row_mean = 0.0
