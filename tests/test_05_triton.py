@@ -90,19 +90,20 @@ def test_vector_add(s, gen, n, dtype):
 # row kernels
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", ROW_SHAPES + [(3, 16411)])  # the last is streamed (> 16,384 wide)
+# the last three are streamed in bf16 (> 8,192 wide; whole chunks only at 12,288) and the last in fp32
+@pytest.mark.parametrize("shape", ROW_SHAPES + [(2, 8200), (2, 12288), (3, 16411)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax(s, gen, shape, dtype):
     check_close(s.softmax, lambda x: torch.softmax(x, -1), [randn(gen, *shape, dtype=dtype, scale=3.0)], TOL[dtype], gen)
 
 
-@pytest.mark.parametrize("n", [67, 16411])
-def test_softmax_masked_rows(s, gen, n):
-    # a causal mask's -inf entries, including a leading chunk that is all -inf in the streamed kernel
-    x = randn(gen, 6, n)
+@pytest.mark.parametrize("n,dtype", [(67, torch.float32), (16411, torch.float32), (12288, torch.bfloat16)])
+def test_softmax_masked_rows(s, gen, n, dtype):
+    # a causal mask's -inf entries, including leading chunks that are all -inf in the streamed kernel
+    x = randn(gen, 6, n, dtype=dtype)
     x[:, : n // 2] = float("-inf")
     x[0, n // 2 + 1:] = float("-inf")  # a row with a single finite entry
-    check_close(s.softmax, lambda t: torch.softmax(t, -1), [x], TOL[torch.float32], gen)
+    check_close(s.softmax, lambda t: torch.softmax(t, -1), [x], TOL[dtype], gen)
 
 
 # every narrow shape in both dtypes; then the streamed forward (fp32 from 1,024 columns, bf16 above
@@ -132,6 +133,30 @@ def test_rms_norm(s, gen, shape, dtype):
     n = shape[-1]
     x, w = randn(gen, *shape, dtype=dtype, scale=2.0), randn(gen, n, dtype=dtype) + 1.0
     check_close(s.rms_norm, lambda x, w: F.rms_norm(x, (n,), w, 1e-6), [x, w], TOL[dtype], gen)
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 67), torch.bfloat16), ((2, 1024), torch.float32),
+                                         ((3, 3000), torch.float32), ((2, 16411), torch.bfloat16)])
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_without_autograd(s, gen, shape, dtype, rms):
+    # with no gradient to compute the forward skips storing mean and rstd: the output must not
+    # change (fused and streamed kernels), and with only the weight wanting a gradient the
+    # statistics are kept and the backward runs
+    n = shape[-1]
+    x, w, b = randn(gen, *shape, dtype=dtype, scale=2.0) + 1.0, randn(gen, n, dtype=dtype) + 1.0, randn(gen, n, dtype=dtype)
+    fn = (lambda x, w: s.rms_norm(x, w, 1e-6)) if rms else (lambda x, w: s.layer_norm(x, w, b, 1e-6))
+    ref = (F.rms_norm(x.double(), (n,), w.double(), 1e-6) if rms else
+           F.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-6))
+    plain = fn(x, w)
+    assert rel_err(plain, ref) < TOL[dtype]
+    with torch.no_grad():
+        assert torch.equal(fn(x, w.requires_grad_()), plain)
+    y = fn(x, w)  # w requires grad, x does not
+    assert torch.equal(y.detach(), plain)
+    y.float().square().sum().backward()
+    xhat = F.rms_norm(x.double(), (n,), None, 1e-6) if rms else F.layer_norm(x.double(), (n,), None, None, 1e-6)
+    dw_ref = (xhat * 2 * y.detach().double()).sum(0)  # d(sum y^2)/dw
+    assert rel_err(w.grad, dw_ref) < 10 * TOL[dtype]
 
 
 def test_layer_norm_mixed_dtypes(s, gen):
@@ -222,6 +247,22 @@ def test_matmul_tma_declines(s):
     assert s._tma_layout(torch.zeros(8, 7, dtype=torch.bfloat16)) is None
     assert s._tma_layout(x[:, ::2]) is None
     assert s._tma_layout(x[:, 1:]) is None  # base not 16-byte aligned
+
+
+def test_matmul_tma_candidates(s):
+    # the autotuner's candidates: large problems time only the 128 x 256 tiles; a small one keeps
+    # the tiles that fit it; a thin one (K = 768) all of them
+    import triton
+    tiles = [(128, 256), (256, 128), (128, 128), (64, 128)]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "GROUP_M": 8}) for m, n in tiles]
+
+    def kept(m, n, k):
+        pruned = s._prune_tma_configs(configs, {"M": m, "N": n, "K": k})
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in pruned]
+    assert kept(4096, 4096, 4096) == [(128, 256), (256, 128)]
+    assert kept(8192, 4096, 8192) == [(128, 256), (256, 128)]
+    assert kept(16384, 3072, 768) == tiles
+    assert kept(100, 200, 4096) == [(128, 256), (128, 128), (64, 128)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
