@@ -913,7 +913,7 @@ def softmax(x):
 def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N: tl.constexpr, RMS: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # X, Y (n_rows, N); W, B (N,) (B may be None); MEAN, RSTD (n_rows,) fp32, None when not wanted
-    # (MEAN always for RMS). N is a compile-time constant: where N == BLOCK_N the column mask folds away.
+    # (MEAN always None for RMS). N is a compile-time constant: where N == BLOCK_N the column mask folds away.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
