@@ -24,6 +24,7 @@ Data files are downloaded on first use into data/ (see data/README.md).
 import argparse
 import base64
 import collections
+import contextlib
 import functools
 import hashlib
 import heapq
@@ -38,10 +39,14 @@ from pathlib import Path
 
 import requests
 import tiktoken
-import tiktoken.load
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
+
+try:
+    import fcntl  # file locks, so that two processes never download into one file
+except ImportError:  # Windows
+    fcntl = None
 
 # ----------------------------------------------------------------------------------------------
 # Data files: downloaded once into data/, checked by sha256
@@ -63,6 +68,11 @@ DATA_FILES = {
 }
 
 
+class DataError(RuntimeError):
+    """A file the run needs is missing, cannot be downloaded, or is not what it should be. The
+    message names the file and what to do; `main` prints it without a traceback."""
+
+
 def _sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -81,18 +91,62 @@ def _server_sha256(response):
     return None
 
 
+def _check_placed(dest, url, sha256):
+    """A file already in the cache may have been put there by hand: check it like a download."""
+    if not dest.is_file():
+        raise DataError(f"{dest} is not a file; remove it so that {url} can be downloaded there")
+    if sha256 is not None and _sha256(dest) != sha256:
+        raise DataError(f"{dest} ({dest.stat().st_size:,} bytes) is not the expected file: its "
+                        f"sha256 should be {sha256}. Delete it to download it again, or replace "
+                        f"it with the file from {url}")
+
+
+@contextlib.contextmanager
+def _download_lock(dest):
+    """Hold an exclusive lock next to `dest`: a second process fetching the same file waits here
+    instead of appending to the first one's `.part`. (No lock on Windows, which lacks fcntl.)"""
+    if fcntl is None:
+        yield
+        return
+    with open(dest.with_name(dest.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"  waiting for another process downloading {dest.name}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def download(url, dest, sha256=None, timeout=30.0):
     """Download `url` to `dest` unless it is already there; return the path.
 
     The bytes go to `dest.part` first and are renamed into place only once complete and
     checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
     its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
-    when given, else the checksum the server names, else the announced size.
+    when given, else the checksum the server names, else the announced size. A file already at
+    `dest` is checked against `sha256` too. Failures raise DataError naming the file and URL.
     """
     dest = Path(dest)
     if dest.exists():
+        _check_placed(dest, url, sha256)
         return dest
+    created = [p for p in reversed(dest.parents) if not p.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _download_lock(dest):
+            if dest.exists():  # another process finished it while we waited
+                _check_placed(dest, url, sha256)
+            else:
+                _fetch(url, dest, sha256, timeout)
+    finally:
+        dest.with_name(dest.name + ".lock").unlink(missing_ok=True)
+        for folder in reversed(created):  # leave no empty folder behind a failed download
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return dest
+
+
+def _fetch(url, dest, sha256, timeout):
     part = dest.with_name(dest.name + ".part")
     have = part.stat().st_size if part.exists() else 0
     # identity: a compressed body would not match Content-Length or resume at a byte offset
@@ -101,13 +155,14 @@ def download(url, dest, sha256=None, timeout=30.0):
         response = requests.get(url, stream=True, timeout=timeout, headers=headers)
         if have and response.status_code == 416:  # the .part is stale: start over
             part.unlink()
-            return download(url, dest, sha256, timeout)
+            return _fetch(url, dest, sha256, timeout)
         response.raise_for_status()
+    except requests.HTTPError as e:
+        raise DataError(f"{dest}: missing, and {url} answered {e.response.status_code} "
+                        f"{e.response.reason}") from None
     except requests.RequestException as e:
-        raise RuntimeError(
-            f"could not download {url}: {e}\n"
-            f"Without a network, place the file at {dest} yourself."
-        ) from e
+        raise DataError(f"{dest}: missing, and {url} cannot be reached "
+                        f"({type(e).__name__}: no network?)") from None
     if response.status_code != 206:  # the server ignored the Range header: start over
         have = 0
     sha256 = sha256 or _server_sha256(response)
@@ -126,30 +181,57 @@ def download(url, dest, sha256=None, timeout=30.0):
                     print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
                           end="", file=sys.stderr, flush=True)
     except requests.RequestException as e:
-        raise RuntimeError(
-            f"download of {url} was interrupted after {done} bytes ({e}); "
-            f"run again to resume from {part}"
-        ) from e
+        raise DataError(f"download of {url} was interrupted after {done} bytes ({e}); "
+                        f"run again to resume from {part}") from None
     finally:
         if done > have:
             print(file=sys.stderr)  # end the progress line
     if total is not None and done != total:
-        raise RuntimeError(f"download of {url} stopped at {done} of {total} bytes; "
-                           f"run again to resume from {part}")
+        raise DataError(f"download of {url} stopped at {done} of {total} bytes; "
+                        f"run again to resume from {part}")
     if sha256 is not None and _sha256(part) != sha256:
         part.unlink()
-        raise ValueError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
-                         f"the download was deleted")
+        raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
+                        f"the download was deleted")
     os.replace(part, dest)  # atomic: the file appears complete or not at all
-    return dest
 
 
-def data_file(name, data_dir=None):
-    """Path of a known data file (see DATA_FILES), downloaded into the cache on first use."""
+def fetch(files):
+    """Download every (url, dest, sha256) in `files` that is not cached yet; return the paths.
+    Every file that cannot be had is named in one DataError, so an offline user learns the
+    whole list at once rather than one file per run."""
+    paths, problems = [], []
+    for url, dest, sha256 in files:
+        try:
+            paths.append(download(url, dest, sha256))
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError("\n  ".join([
+            f"{len(problems)} file(s) this run needs cannot be had:", *problems,
+            "Place each at the path shown (fetched from its URL where there is a network), or "
+            "point --data-dir at a folder that holds them."]))
+    return paths
+
+
+def _data_dir(data_dir):
+    folder = Path(data_dir or DATA_DIR)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"the data directory {folder} is a file, not a directory")
+    return folder
+
+
+def data_entry(name, data_dir=None):
+    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
     if name not in DATA_FILES:
         raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
     url, sha256 = DATA_FILES[name]
-    return download(url, Path(data_dir or DATA_DIR) / name, sha256=sha256)
+    return url, _data_dir(data_dir) / name, sha256
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file, downloaded into the cache on first use."""
+    return fetch([data_entry(name, data_dir)])[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +318,7 @@ class BPETokenizer:
         the merge priority (lower merges first).
     special_tokens: string -> id for tokens such as "<|endoftext|>", which never come from merges:
         `encode` emits them only when allowed (see there).
-    Build one with `BPETokenizer.train(text, vocab_size)` or `BPETokenizer.gpt2(path)`.
+    Build one with `BPETokenizer.train(text, vocab_size)` or `BPETokenizer.gpt2()`.
     """
 
     def __init__(self, ranks, special_tokens=None):
@@ -345,18 +427,13 @@ class BPETokenizer:
 
     # ---- GPT-2's vocabulary ---------------------------------------------------------------------
     @classmethod
-    def gpt2(cls, path):
-        """GPT-2's 50,000 merges from its ranks file (tiktoken format); <|endoftext|> = 50256."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"GPT-2 ranks file not found: {path}")
-        ranks = {}
-        for line in path.read_bytes().splitlines():
-            if line:
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
+    def gpt2(cls, path=None, data_dir=None):
+        """GPT-2's 50,000 merges from its ranks file (tiktoken format; default: the cached
+        data/gpt2.tiktoken, downloaded on first use); <|endoftext|> = 50256."""
+        path = Path(path) if path is not None else data_file("gpt2.tiktoken", data_dir)
+        ranks = read_ranks(path)
         if len(ranks) != 50256:
-            raise ValueError(f"{path}: {len(ranks)} ranks, GPT-2 has 50256")
+            raise DataError(f"{path}: {len(ranks)} ranks, GPT-2 has 50256")
         return cls(ranks, {"<|endoftext|>": 50256})
 
     # ---- encoding and decoding ------------------------------------------------------------------
@@ -444,9 +521,29 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 EOT_ID = 50256  # <|endoftext|>
 
 
+def read_ranks(path):
+    """BPE ranks in tiktoken's format, one `base64(token bytes) rank` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"ranks file not found: {path}")
+    ranks = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:  # not two fields, bad base64 (binascii.Error) or a bad integer
+            raise DataError(f"{path}, line {n}: expected '<base64 token> <rank>', got "
+                            f"{line[:80]!r}") from None
+    return ranks
+
+
 def gpt2_tokenizer(data_dir=None):
-    """GPT-2's tokenizer as a tiktoken Encoding, built from data/gpt2.tiktoken (no hidden download)."""
-    ranks = tiktoken.load.load_tiktoken_bpe(str(data_file("gpt2.tiktoken", data_dir)))
+    """GPT-2's tokenizer as a tiktoken Encoding, built from data/gpt2.tiktoken (no hidden download).
+    The file is parsed here: tiktoken's own loader keeps a parsed copy in a temporary directory,
+    keyed by the path, and would go on serving it after the file there is replaced."""
+    ranks = read_ranks(data_file("gpt2.tiktoken", data_dir))
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT_ID})
 
@@ -720,19 +817,24 @@ def main():
                         help="GPT-2 shape to build (random weights)")
     parser.add_argument("--vocab", type=int, default=400, help="vocabulary of the BPE trained here")
     parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
-    parser.add_argument("--seed", type=int, default=123)
+    parser.add_argument("--seed", type=int, default=123, help="seed of the random weights")
     args = parser.parse_args()
+    if args.vocab < 257:
+        parser.error(f"--vocab {args.vocab}: needs at least 256 bytes + 1 special token")
     torch.manual_seed(args.seed)
+    # every file this run reads, fetched before any work: a missing one stops it at once
+    story, _ = fetch([data_entry(name, args.data_dir)
+                      for name in ("the-verdict.txt", "gpt2.tiktoken")])
 
     print("== 4. Text as numbers ==")
-    text = data_file("the-verdict.txt", args.data_dir).read_text(encoding="utf-8")
+    text = story.read_text(encoding="utf-8")
     t0 = time.time()
     bpe = BPETokenizer.train(text, args.vocab)
     ids = bpe.encode(text)
     print(f"BPE trained on The Verdict ({len(text):,} chars) to {args.vocab} tokens in "
           f"{time.time() - t0:.1f}s: {len(ids):,} tokens, {len(text.encode()) / len(ids):.2f} "
           f"bytes/token; round trip exact: {bpe.decode(ids) == text}")
-    ours = BPETokenizer.gpt2(data_file("gpt2.tiktoken", args.data_dir))
+    ours = BPETokenizer.gpt2(data_dir=args.data_dir)
     ref = gpt2_tokenizer(args.data_dir)
     sample = "Hello, world! It's 2024 -- naïve café 😀\n\n   <|endoftext|> next"
     a = ours.encode(sample, allowed_special={"<|endoftext|>"})
@@ -770,4 +872,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DataError as e:  # a missing or broken file: the message says which and what to do
+        sys.exit(f"error: {e}")

@@ -27,6 +27,7 @@ summation order, the GPT on torch) and exits 0.
 """
 
 import argparse
+import base64
 import contextlib
 import functools
 import hashlib
@@ -42,13 +43,17 @@ from pathlib import Path
 import numpy as np
 import requests
 import tiktoken
-import tiktoken.load
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
+
+try:
+    import fcntl  # file locks, so that two processes never download into one file
+except ImportError:  # Windows
+    fcntl = None
 
 # ----------------------------------------------------------------------------------------------
 # Data files: downloaded once into data/, checked by sha256
@@ -70,6 +75,11 @@ DATA_FILES = {
 }
 
 
+class DataError(RuntimeError):
+    """A file the run needs is missing, cannot be downloaded, or is not what it should be. The
+    message names the file and what to do; `main` prints it without a traceback."""
+
+
 def _sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -88,18 +98,62 @@ def _server_sha256(response):
     return None
 
 
+def _check_placed(dest, url, sha256):
+    """A file already in the cache may have been put there by hand: check it like a download."""
+    if not dest.is_file():
+        raise DataError(f"{dest} is not a file; remove it so that {url} can be downloaded there")
+    if sha256 is not None and _sha256(dest) != sha256:
+        raise DataError(f"{dest} ({dest.stat().st_size:,} bytes) is not the expected file: its "
+                        f"sha256 should be {sha256}. Delete it to download it again, or replace "
+                        f"it with the file from {url}")
+
+
+@contextlib.contextmanager
+def _download_lock(dest):
+    """Hold an exclusive lock next to `dest`: a second process fetching the same file waits here
+    instead of appending to the first one's `.part`. (No lock on Windows, which lacks fcntl.)"""
+    if fcntl is None:
+        yield
+        return
+    with open(dest.with_name(dest.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"  waiting for another process downloading {dest.name}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def download(url, dest, sha256=None, timeout=30.0):
     """Download `url` to `dest` unless it is already there; return the path.
 
     The bytes go to `dest.part` first and are renamed into place only once complete and
     checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
     its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
-    when given, else the checksum the server names, else the announced size.
+    when given, else the checksum the server names, else the announced size. A file already at
+    `dest` is checked against `sha256` too. Failures raise DataError naming the file and URL.
     """
     dest = Path(dest)
     if dest.exists():
+        _check_placed(dest, url, sha256)
         return dest
+    created = [p for p in reversed(dest.parents) if not p.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _download_lock(dest):
+            if dest.exists():  # another process finished it while we waited
+                _check_placed(dest, url, sha256)
+            else:
+                _fetch(url, dest, sha256, timeout)
+    finally:
+        dest.with_name(dest.name + ".lock").unlink(missing_ok=True)
+        for folder in reversed(created):  # leave no empty folder behind a failed download
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return dest
+
+
+def _fetch(url, dest, sha256, timeout):
     part = dest.with_name(dest.name + ".part")
     have = part.stat().st_size if part.exists() else 0
     # identity: a compressed body would not match Content-Length or resume at a byte offset
@@ -108,13 +162,14 @@ def download(url, dest, sha256=None, timeout=30.0):
         response = requests.get(url, stream=True, timeout=timeout, headers=headers)
         if have and response.status_code == 416:  # the .part is stale: start over
             part.unlink()
-            return download(url, dest, sha256, timeout)
+            return _fetch(url, dest, sha256, timeout)
         response.raise_for_status()
+    except requests.HTTPError as e:
+        raise DataError(f"{dest}: missing, and {url} answered {e.response.status_code} "
+                        f"{e.response.reason}") from None
     except requests.RequestException as e:
-        raise RuntimeError(
-            f"could not download {url}: {e}\n"
-            f"Without a network, place the file at {dest} yourself."
-        ) from e
+        raise DataError(f"{dest}: missing, and {url} cannot be reached "
+                        f"({type(e).__name__}: no network?)") from None
     if response.status_code != 206:  # the server ignored the Range header: start over
         have = 0
     sha256 = sha256 or _server_sha256(response)
@@ -133,30 +188,57 @@ def download(url, dest, sha256=None, timeout=30.0):
                     print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
                           end="", file=sys.stderr, flush=True)
     except requests.RequestException as e:
-        raise RuntimeError(
-            f"download of {url} was interrupted after {done} bytes ({e}); "
-            f"run again to resume from {part}"
-        ) from e
+        raise DataError(f"download of {url} was interrupted after {done} bytes ({e}); "
+                        f"run again to resume from {part}") from None
     finally:
         if done > have:
             print(file=sys.stderr)  # end the progress line
     if total is not None and done != total:
-        raise RuntimeError(f"download of {url} stopped at {done} of {total} bytes; "
-                           f"run again to resume from {part}")
+        raise DataError(f"download of {url} stopped at {done} of {total} bytes; "
+                        f"run again to resume from {part}")
     if sha256 is not None and _sha256(part) != sha256:
         part.unlink()
-        raise ValueError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
-                         f"the download was deleted")
+        raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
+                        f"the download was deleted")
     os.replace(part, dest)  # atomic: the file appears complete or not at all
-    return dest
 
 
-def data_file(name, data_dir=None):
-    """Path of a known data file (see DATA_FILES), downloaded into the cache on first use."""
+def fetch(files):
+    """Download every (url, dest, sha256) in `files` that is not cached yet; return the paths.
+    Every file that cannot be had is named in one DataError, so an offline user learns the
+    whole list at once rather than one file per run."""
+    paths, problems = [], []
+    for url, dest, sha256 in files:
+        try:
+            paths.append(download(url, dest, sha256))
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError("\n  ".join([
+            f"{len(problems)} file(s) this run needs cannot be had:", *problems,
+            "Place each at the path shown (fetched from its URL where there is a network), or "
+            "point --data-dir at a folder that holds them."]))
+    return paths
+
+
+def _data_dir(data_dir):
+    folder = Path(data_dir or DATA_DIR)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"the data directory {folder} is a file, not a directory")
+    return folder
+
+
+def data_entry(name, data_dir=None):
+    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
     if name not in DATA_FILES:
         raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
     url, sha256 = DATA_FILES[name]
-    return download(url, Path(data_dir or DATA_DIR) / name, sha256=sha256)
+    return url, _data_dir(data_dir) / name, sha256
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file, downloaded into the cache on first use."""
+    return fetch([data_entry(name, data_dir)])[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,9 +249,29 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 EOT_ID = 50256  # <|endoftext|>
 
 
+def read_ranks(path):
+    """BPE ranks in tiktoken's format, one `base64(token bytes) rank` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"ranks file not found: {path}")
+    ranks = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:  # not two fields, bad base64 (binascii.Error) or a bad integer
+            raise DataError(f"{path}, line {n}: expected '<base64 token> <rank>', got "
+                            f"{line[:80]!r}") from None
+    return ranks
+
+
 def gpt2_tokenizer(data_dir=None):
-    """GPT-2's tokenizer as a tiktoken Encoding, built from data/gpt2.tiktoken (no hidden download)."""
-    ranks = tiktoken.load.load_tiktoken_bpe(str(data_file("gpt2.tiktoken", data_dir)))
+    """GPT-2's tokenizer as a tiktoken Encoding, built from data/gpt2.tiktoken (no hidden download).
+    The file is parsed here: tiktoken's own loader keeps a parsed copy in a temporary directory,
+    keyed by the path, and would go on serving it after the file there is replaced."""
+    ranks = read_ranks(data_file("gpt2.tiktoken", data_dir))
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT_ID})
 
@@ -468,8 +570,13 @@ class TrainConfig:
     eval_batches: int = 10      # validation batches per evaluation (None: all)
 
     def __post_init__(self):
-        if self.epochs < 1 or self.lr <= 0 or self.eval_every < 1 or self.warmup_steps < 0:
-            raise ValueError(f"bad TrainConfig: {self}")
+        for name, ok in (("epochs", self.epochs >= 1), ("lr", self.lr > 0),
+                         ("weight_decay", self.weight_decay >= 0),
+                         ("warmup_steps", self.warmup_steps >= 0),
+                         ("grad_clip", self.grad_clip > 0), ("eval_every", self.eval_every >= 1),
+                         ("eval_batches", self.eval_batches is None or self.eval_batches >= 1)):
+            if not ok:
+                raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r} is out of range")
 
 
 def train(model, train_loader, val_loader, tcfg, device, log=print):
@@ -579,29 +686,49 @@ def load_state(model, state, source):
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{source}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+        raise DataError(f"{source}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
-                             f"config expects {tuple(expected[name].shape)}")
+            raise DataError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                            f"config expects {tuple(expected[name].shape)}")
     with torch.no_grad():
         for name, tensor in state.items():
             expected[name].copy_(tensor)
     return model
 
 
-def load_checkpoint(path, device="cpu"):
-    """Rebuild a GPT saved by save_checkpoint."""
+def read_safetensors(path, device="cpu"):
+    """(tensors, metadata) of a safetensors file; a missing, truncated or foreign file is a
+    DataError that names it rather than the library's bare message."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        meta = f.metadata() or {}
-        if "config" not in meta:
-            raise ValueError(f"{path} has no GPT config in its metadata; was it written by "
-                             f"save_checkpoint?")
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    model = GPT(GPTConfig(**json.loads(meta["config"]))).to(device)
+        raise DataError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except Exception as e:  # SafetensorError has no public base class to catch
+        raise DataError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def config_from(cls, values, source):
+    """cls(**values), with any bad or missing field reported against the file it came from."""
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{source}: bad {cls.__name__} ({e})") from None
+
+
+def load_checkpoint(path, device="cpu"):
+    """Rebuild a GPT saved by save_checkpoint."""
+    state, meta = read_safetensors(path, device)
+    if "config" not in meta:
+        raise DataError(f"{path} has no GPT config in its metadata; was it written by "
+                        f"save_checkpoint?")
+    try:
+        values = json.loads(meta["config"])
+    except ValueError as e:
+        raise DataError(f"{path}: the config in its metadata is not JSON ({e})") from None
+    model = GPT(config_from(GPTConfig, values, path)).to(device)
     return load_state(model, state, str(path))
 
 
@@ -614,12 +741,31 @@ GPT2_REPOS = {"124M": "openai-community/gpt2", "355M": "openai-community/gpt2-me
 HF_URL = "https://huggingface.co/{repo}/resolve/main/{file}"
 
 
+def gpt2_files(size, data_dir=None):
+    """(url, path, sha256) of a GPT-2 size's config.json and model.safetensors in
+    data/gpt2-<size>/, for `fetch`. No pinned sha256: the Hub names it while downloading."""
+    folder = _data_dir(data_dir) / f"gpt2-{size}"
+    return [(HF_URL.format(repo=GPT2_REPOS[size], file=file), folder / file, None)
+            for file in ("config.json", "model.safetensors")]
+
+
 def download_gpt2(size, data_dir=None):
-    """Fetch config.json and model.safetensors of a GPT-2 size into data/gpt2-<size>/."""
-    folder = Path(data_dir or DATA_DIR) / f"gpt2-{size}"
-    for file in ("config.json", "model.safetensors"):
-        download(HF_URL.format(repo=GPT2_REPOS[size], file=file), folder / file)
-    return folder
+    """Fetch config.json and model.safetensors of a GPT-2 size; return their folder."""
+    return fetch(gpt2_files(size, data_dir))[0].parent
+
+
+def read_hf_config(path, keys):
+    """A Hugging Face config.json as a dict, with every key in `keys` present."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, or not JSON
+        raise DataError(f"{path}: not a readable JSON config ({e})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    missing = [key for key in keys if key not in config]
+    if missing:
+        raise DataError(f"{path} lacks {missing}")
+    return config
 
 
 def load_gpt2(path_or_size, device="cpu", data_dir=None):
@@ -630,30 +776,32 @@ def load_gpt2(path_or_size, device="cpu", data_dir=None):
     else:
         folder = Path(path_or_size)
         if not folder.is_dir():
-            raise FileNotFoundError(f"{folder} is neither a GPT-2 size {list(GPT2_REPOS)} nor a "
-                                    f"directory with config.json and model.safetensors")
-    for file in ("config.json", "model.safetensors"):
-        if not (folder / file).is_file():
-            raise FileNotFoundError(f"{folder / file} is missing")
-    hf = json.loads((folder / "config.json").read_text())
+            raise DataError(f"{folder} is neither a GPT-2 size {list(GPT2_REPOS)} nor a "
+                            f"directory with config.json and model.safetensors")
+    missing = [file for file in ("config.json", "model.safetensors")
+               if not (folder / file).is_file()]
+    if missing:
+        raise DataError(f"{folder} lacks {' and '.join(missing)}")
+    hf = read_hf_config(folder / "config.json", ("vocab_size", "n_positions", "n_embd",
+                                                  "n_head", "n_layer"))
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"unsupported activation {hf['activation_function']!r}: this GPT "
-                         f"uses GELU's tanh form")
+        raise DataError(f"unsupported activation {hf['activation_function']!r}: this GPT "
+                        f"uses GELU's tanh form")
     if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-        raise ValueError(f"unsupported layer_norm_epsilon {hf['layer_norm_epsilon']}")
-    cfg = GPTConfig(vocab_size=hf["vocab_size"], context_length=hf["n_positions"],
-                    n_embd=hf["n_embd"], n_head=hf["n_head"], n_layer=hf["n_layer"])
+        raise DataError(f"unsupported layer_norm_epsilon {hf['layer_norm_epsilon']}")
+    sizes = dict(vocab_size=hf["vocab_size"], context_length=hf["n_positions"],
+                 n_embd=hf["n_embd"], n_head=hf["n_head"], n_layer=hf["n_layer"])
+    cfg = config_from(GPTConfig, sizes, folder / "config.json")
     state = {}
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            name = key.removeprefix("transformer.")  # newer saves nest the body one level down
-            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-                continue  # old causal-mask buffers; the head is tied to wte
-            tensor = f.get_tensor(key)
-            # GPT-2's Conv1D layers store their weights as (in, out); nn.Linear wants (out, in).
-            if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
-                tensor = tensor.t()
-            state[name] = tensor
+    tensors, _ = read_safetensors(folder / "model.safetensors")
+    for key, tensor in tensors.items():
+        name = key.removeprefix("transformer.")  # newer saves nest the body one level down
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue  # old causal-mask buffers; the head is tied to wte
+        # GPT-2's Conv1D layers store their weights as (in, out); nn.Linear wants (out, in).
+        if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            tensor = tensor.t()
+        state[name] = tensor
     model = load_state(GPT(cfg), state, str(folder / "model.safetensors"))
     return model.to(device).eval()
 
@@ -2624,97 +2772,240 @@ def bench(args, device):
         print(f"{mode:<14}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
 
 
-def main():
+def positive_int(text):
+    """argparse type: an integer >= 1 (0 is not a way to ask for the default)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text):
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def probability(text):
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=list(TRAIN_PRESETS),
-                        help="model shape (default: tiny; --bench-train on a GPU: 124M)")
-    parser.add_argument("--epochs", type=int, help="default: the preset's")
-    parser.add_argument("--batch-size", type=int, help="default: the preset's")
-    parser.add_argument("--context-length", type=int, help="default: the preset's")
-    parser.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
-    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+                        help="model shape to train (default: tiny; --bench-train on a GPU: 124M)")
+    parser.add_argument("--epochs", type=positive_int, help="default: the preset's")
+    parser.add_argument("--batch-size", type=positive_int, help="default: the preset's")
+    parser.add_argument("--context-length", type=positive_int, help="default: the preset's")
+    parser.add_argument("--lr", type=positive_float,
+                        help="peak learning rate (default: the preset's)")
+    parser.add_argument("--eval-every", type=positive_int,
+                        help="steps between evaluations (default: 10)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--train", action="store_true", help="train first, as stage 03 does")
     parser.add_argument("--save", help="write the trained model to this .safetensors file")
-    parser.add_argument("--load", help="generate from a checkpoint instead of training")
-    parser.add_argument("--gpt2", choices=list(GPT2_REPOS), metavar="SIZE",
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--load", help="generate from a checkpoint instead of training")
+    source.add_argument("--gpt2", choices=list(GPT2_REPOS), metavar="SIZE",
                         help="generate with GPT-2's real weights (124M, 355M, 774M, 1558M)")
-    parser.add_argument("--gpt2-dir", help="generate with GPT-2 weights from this HF directory")
+    source.add_argument("--gpt2-dir", help="generate with GPT-2 weights from this HF directory")
     parser.add_argument("--kernels", choices=["torch", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "torch",
                         help="run the GPT's forward on torch or on this stage's CUDA kernels")
     parser.add_argument("--tensor-cores", action="store_true",
                         help="with --kernels cuda: Linear layers in bf16 on the tensor-core kernel")
-    parser.add_argument("--prompt", default="Every effort moves you")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--prompt", help='text to continue (default: "Every effort moves you")')
+    parser.add_argument("--max-new-tokens", type=positive_int,
+                        help="tokens to generate (default: 40)")
+    parser.add_argument("--temperature", type=non_negative_float, help="0 = greedy (the default)")
+    parser.add_argument("--top-k", type=positive_int, help="sample from the k likeliest tokens")
+    parser.add_argument("--top-p", type=probability, help="sample from the smallest set of "
+                        "tokens whose probabilities add up to p")
     parser.add_argument("--bench", action="store_true", help="time every kernel against torch")
     parser.add_argument("--bench-train", action="store_true", help="measure training throughput")
-    parser.add_argument("--bench-steps", type=int, default=20)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bench-steps", type=positive_int,
+                        help="timed steps of --bench-train (default: 20)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
-    parser.add_argument("--seed", type=int, default=123)
+    parser.add_argument("--seed", type=int, default=123, help="seed of the weights, the data "
+                        "order and sampling")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    check_args(parser, args)
+    # the defaults, filled in after the checks (which need to know what was given)
+    args.prompt = args.prompt or "Every effort moves you"
+    args.max_new_tokens = args.max_new_tokens or 40
+    args.temperature = args.temperature or 0.0
+    args.bench_steps = args.bench_steps or 20
+    return args
+
+
+TRAINING_FLAGS = ("model", "epochs", "batch_size", "context_length", "lr", "eval_every",
+                  "compile", "save")
+SAMPLING_FLAGS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")
+
+
+def check_args(parser, args):
+    """Every flag checked before any work starts, so that a bad one never costs a training run."""
+    given = {name for name, value in vars(args).items() if value not in (None, False)}
+
+    def refuse(flags, why):
+        clash = [flag for flag in flags if flag in given]
+        if clash:
+            parser.error(f"--{clash[0].replace('_', '-')} {why}")
+
+    loading = args.load or args.gpt2 or args.gpt2_dir
+    if args.bench or args.bench_train:  # changed in 04: two benchmarks
+        refuse(("train", "epochs", "lr", "eval_every", "compile", "save", "load", "gpt2",
+                "gpt2_dir", *SAMPLING_FLAGS), "does not apply to --bench or --bench-train")
+    else:
+        refuse(("bench_steps",), "only applies to --bench-train")
+    if not args.train:  # changed in 04: training is opt-in (--train)
+        refuse(TRAINING_FLAGS, "only applies with --train")
+    elif loading:
+        parser.error("--train trains a new model; it does not go with --load, --gpt2 or --gpt2-dir")
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("--prompt is empty: generation needs at least one token to continue")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA GPU")
     if args.kernels == "cuda" and device.type != "cuda":
         parser.error("--kernels cuda needs an NVIDIA GPU (--device cuda)")
+    if args.tensor_cores and args.kernels != "cuda":
+        parser.error("--tensor-cores only applies with --kernels cuda")
+    if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        parser.error(f"--data-dir {args.data_dir} is a file, not a directory")
+    if args.load and not Path(args.load).is_file():
+        parser.error(f"--load {args.load}: no such file")
+    if args.gpt2_dir and not Path(args.gpt2_dir).is_dir():
+        parser.error(f"--gpt2-dir {args.gpt2_dir}: no such directory")
+    if args.save:
+        save = Path(args.save)
+        if save.is_dir():
+            parser.error(f"--save {args.save} is a directory; name the file to write")
+        if not save.parent.is_dir():
+            parser.error(f"--save {args.save}: the directory {save.parent} does not exist")
+        if not os.access(save.parent, os.W_OK):
+            parser.error(f"--save {args.save}: cannot write in {save.parent}")
+
+
+def check_prompt(ids, context_length):
+    if len(ids) > context_length:
+        sys.exit(f"error: the prompt is {len(ids)} tokens, longer than the model's context of "
+                 f"{context_length}")
+
+
+def train_model(args, device, tokenizer):
+    """Stage 03's run: a GPT of the chosen preset trained on The Verdict."""
+    name = args.model or "tiny"
+    preset = TRAIN_PRESETS[name]
+    T = args.context_length or preset["context_length"]
+    check_prompt(tokenizer.encode(args.prompt), T)
+    model = GPT(build_config(name, T, preset["dropout"])).to(device)
+    text = data_file("the-verdict.txt", args.data_dir).read_text(encoding="utf-8")
+    ids = tokenizer.encode(text)
+    split = int(0.9 * len(ids))
+    B = args.batch_size or preset["batch_size"]
+    train_loader = create_dataloader(ids[:split], B, T, seed=args.seed)
+    val_loader = create_dataloader(ids[split:], B, T, shuffle=False, drop_last=False)
+    tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"],
+                       eval_every=args.eval_every or 10)
+    print(f"training GPT ({model.num_params() / 1e6:.1f}M parameters, {model.cfg}) on "
+          f"The Verdict: {split:,} train / {len(ids) - split:,} val tokens, "
+          f"{len(train_loader)} steps per epoch, {tcfg.epochs} epochs, on {device}")
+    step_model = torch.compile(model) if args.compile else model
+    train(step_model, train_loader, val_loader, tcfg, device)
+    if args.save:
+        save_checkpoint(model, args.save)
+        print(f"saved {args.save}")
+    return model.eval()
+
+
+def load_model(args, device):
+    if args.load:
+        model = load_checkpoint(args.load, device).eval()
+    else:
+        model = load_gpt2(args.gpt2 or args.gpt2_dir, device, args.data_dir)
+    print(f"loaded {model.num_params() / 1e6:.0f}M parameters")
+    return model
+
+
+def sample(model, tokenizer, args, device):
+    """Continue the prompt and print it, with how it was generated."""
+    ids = tokenizer.encode(args.prompt)
+    check_prompt(ids, model.cfg.context_length)
+    out = generate(model, torch.tensor([ids], device=device), args.max_new_tokens,
+                   args.temperature, args.top_k, args.top_p, eos_id=EOT_ID)
+    how = "greedy"
+    if args.temperature:
+        how = ", ".join(f"{name} {value}" for name, value in (
+            ("temperature", args.temperature), ("top-k", args.top_k), ("top-p", args.top_p))
+            if value is not None)
+    print(f"\ngenerated ({out.size(1) - len(ids)} new tokens, {how}):\n"
+          f"{tokenizer.decode(out[0].tolist())}")
+
+
+def compare_on_kernels(model, tokenizer, args, device):
+    """NEW in stage 04: the GPT's logits for the prompt on torch, then on our CUDA kernels."""
+    idx = torch.tensor([tokenizer.encode(args.prompt)], device=device)
+    with torch.no_grad(), fp32_matmul_precision("highest"):
+        ref = model(idx).float()
+        use_cuda_kernels(model, tensor_cores=args.tensor_cores)
+        ours = model(idx).float()
+    err = ((ours - ref).norm() / ref.norm()).item()
+    print(f"GPT logits on the CUDA kernels vs torch: relative error {err:.2e}")
+
+
+def main():
+    args = parse_args()
+    device = torch.device(args.device)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left over
     torch.manual_seed(args.seed)
+    if args.bench and device.type != "cuda":  # GPU-only: say so in one line, as every stage does
+        return print("--bench times the CUDA kernels: it needs an NVIDIA GPU (--device cuda)")
     if args.bench:
         return bench_kernels()
     if args.bench_train:
         return bench(args, device)
+    # every download this run needs, before any work: a missing file stops it here, all named
+    files = [data_entry("gpt2.tiktoken", args.data_dir)]
+    if args.gpt2:
+        files += gpt2_files(args.gpt2, args.data_dir)
+    elif args.train:
+        files.append(data_entry("the-verdict.txt", args.data_dir))
+    fetch(files)
     if not kernel_chapter():
         sys.exit("a kernel failed its self-check")
     tokenizer = gpt2_tokenizer(args.data_dir)
-
-    if args.gpt2 or args.gpt2_dir or args.load:
-        if args.load:
-            model = load_checkpoint(args.load, device).eval()
-        else:
-            model = load_gpt2(args.gpt2 or args.gpt2_dir, device, args.data_dir)
-        print(f"loaded {model.num_params() / 1e6:.0f}M parameters")
+    if args.load or args.gpt2 or args.gpt2_dir:
+        model = load_model(args, device)
     elif args.train:
-        name = args.model or "tiny"
-        preset = TRAIN_PRESETS[name]
-        T = args.context_length or preset["context_length"]
-        model = GPT(build_config(name, T, preset["dropout"])).to(device)
-        text = data_file("the-verdict.txt", args.data_dir).read_text(encoding="utf-8")
-        ids = tokenizer.encode(text)
-        split = int(0.9 * len(ids))
-        B = args.batch_size or preset["batch_size"]
-        train_loader = create_dataloader(ids[:split], B, T, seed=args.seed)
-        val_loader = create_dataloader(ids[split:], B, T, shuffle=False, drop_last=False)
-        tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"],
-                           eval_every=args.eval_every)
-        print(f"training GPT ({model.num_params() / 1e6:.1f}M parameters, {model.cfg}) on "
-              f"The Verdict: {split:,} train / {len(ids) - split:,} val tokens, "
-              f"{len(train_loader)} steps per epoch, {tcfg.epochs} epochs, on {device}")
-        step_model = torch.compile(model) if args.compile else model
-        train(step_model, train_loader, val_loader, tcfg, device)
-        if args.save:
-            save_checkpoint(model, args.save)
-            print(f"saved {args.save}")
-        model.eval()
+        model = train_model(args, device, tokenizer)
     else:  # NEW in stage 04: an untrained GPT-2 124M is enough to compare the two paths
         model = GPT(GPTConfig.gpt2("124M")).to(device).eval()
-        print(f"untrained GPT-2 124M shape (pass --gpt2 124M for the real weights)")
-
-    idx = torch.tensor([tokenizer.encode(args.prompt)], device=device)
-    if args.kernels == "cuda":  # NEW in stage 04: the same forward on our kernels
-        with torch.no_grad(), fp32_matmul_precision("highest"):
-            ref = model(idx).float()
-            use_cuda_kernels(model, tensor_cores=args.tensor_cores)
-            ours = model(idx).float()
-        err = ((ours - ref).norm() / ref.norm()).item()
-        print(f"GPT logits on the CUDA kernels vs torch: relative error {err:.2e}")
-    out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   eos_id=EOT_ID)
-    print(f"\n{tokenizer.decode(out[0].tolist())}")
+        print("untrained GPT-2 124M shape (pass --gpt2 124M for the real weights)")
+    if args.kernels == "cuda":
+        compare_on_kernels(model, tokenizer, args, device)
+    sample(model, tokenizer, args, device)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DataError as e:  # a missing or broken file: the message says which and what to do
+        sys.exit(f"error: {e}")

@@ -6,6 +6,7 @@ Tolerances: float64 against float64 differs only in the order of operations (1e-
 against transformers runs in float32 on both sides (1e-5 on logits of size ~1).
 """
 import collections
+import copy
 import gzip
 import hashlib
 import http.server
@@ -14,6 +15,7 @@ import re
 import socket
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,7 +150,7 @@ def test_bpe_bad_input(stage, gpt2, tmp_path):
         gpt2.encode("x", allowed_special={"<|im_start|>"})
     with pytest.raises(ValueError, match="not in the vocabulary"):
         gpt2.decode([50257])
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(stage.DataError, match="missing.tiktoken"):
         stage.BPETokenizer.gpt2(tmp_path / "missing.tiktoken")
     with pytest.raises(ValueError, match="single bytes"):
         stage.BPETokenizer({b"a": 0})
@@ -378,10 +380,15 @@ def ours(stage, hf):
 @pytest.mark.parametrize("B, T", [(3, 37), (1, 1), (2, 40)])
 @torch.no_grad()
 def test_gpt_matches_transformers(hf, ours, B, T):
+    """In float64 the two models agree to rounding (1e-10 catches any real difference); in
+    float32 the summation order of the CPU's BLAS differs between machines, so logits of size ~3
+    are compared relatively (observed: 1.2e-5 apart on one AMD CPU)."""
     ids = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(T))
     expected = hf(ids).logits
     assert expected.std() > 0.3  # logits of size ~1, not a near-constant
-    torch.testing.assert_close(ours(ids), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours(ids), expected, rtol=1e-4, atol=1e-4)
+    expected64 = copy.deepcopy(hf).double()(ids).logits
+    torch.testing.assert_close(copy.deepcopy(ours).double()(ids), expected64, rtol=0, atol=1e-10)
 
 
 @torch.no_grad()
@@ -391,7 +398,7 @@ def test_gpt_ignores_later_tokens(ours):
     changed = ids.clone()
     changed[:, 12:] = (changed[:, 12:] + 1) % 97
     logits2 = ours(changed)
-    torch.testing.assert_close(logits2[:, :12], logits[:, :12], rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits2[:, :12], logits[:, :12], rtol=1e-5, atol=1e-5)
     assert (logits2[:, 12:] - logits[:, 12:]).abs().max() > 0.1
 
 
@@ -473,6 +480,7 @@ class FileServer(http.server.ThreadingHTTPServer):
 
     truncate = ignore_range = gzip = False
     etag = PAYLOAD_SHA
+    delay = 0.0  # seconds to wait before answering /file
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), FileHandler)
@@ -497,6 +505,7 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
             return
         requested = self.headers.get("Range")
         server.ranges.append(requested)
+        time.sleep(server.delay)
         start = 0
         if requested and not server.ignore_range:
             start = int(re.fullmatch(r"bytes=(\d+)-", requested).group(1))
@@ -544,13 +553,15 @@ def test_download_lands_whole_and_checked(stage, server, tmp_path):
     assert stage.download(server.url(), dest, sha256=PAYLOAD_SHA) == dest
     assert dest.read_bytes() == PAYLOAD
     assert sorted(p.name for p in dest.parent.iterdir()) == ["f.bin"]  # no .part left
-    assert stage.download(server.url(), dest, sha256="0" * 64) == dest  # cached: no request
-    assert len(server.ranges) == 1
+    assert stage.download(server.url(), dest, sha256=PAYLOAD_SHA) == dest  # cached: no request
+    with pytest.raises(stage.DataError, match="not the expected file"):  # a cached file is checked
+        stage.download(server.url(), dest, sha256="0" * 64)
+    assert len(server.ranges) == 1 and dest.read_bytes() == PAYLOAD
 
 
 def test_download_checksum_mismatch_leaves_nothing(stage, server, tmp_path):
     dest = tmp_path / "f.bin"
-    with pytest.raises(ValueError, match="checksum mismatch"):
+    with pytest.raises(stage.DataError, match="checksum mismatch"):
         stage.download(server.url(), dest, sha256="0" * 64)
     assert list(tmp_path.iterdir()) == []
 
@@ -593,23 +604,94 @@ def test_download_uses_the_servers_sha256(stage, server, tmp_path):
     stage.download(server.url("/redirect"), tmp_path / "good.bin")
     assert (tmp_path / "good.bin").read_bytes() == PAYLOAD
     server.etag = hashlib.sha256(b"something else").hexdigest()
-    with pytest.raises(ValueError, match=server.etag):
+    with pytest.raises(stage.DataError, match=server.etag):
         stage.download(server.url("/redirect"), tmp_path / "bad.bin")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.bin"]
 
 
-def test_download_errors_name_the_file(stage, server, tmp_path):
-    dest = tmp_path / "f.bin"
-    with pytest.raises(RuntimeError, match="404"):
-        stage.download(server.url("/nope"), dest)
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+def dead_url(name="f.bin"):
+    """A URL on a port that was free a moment ago: nothing listens there, as without a network."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(RuntimeError, match=re.escape(str(dest))):
-        stage.download(f"http://127.0.0.1:{port}/f.bin", dest, timeout=5)
-    assert not dest.exists()
+        return f"http://127.0.0.1:{s.getsockname()[1]}/{name}"
+
+
+def test_download_errors_name_the_file(stage, server, tmp_path):
+    dest = tmp_path / "sub" / "f.bin"
+    with pytest.raises(stage.DataError, match="404 Not Found") as err:
+        stage.download(server.url("/nope"), dest)
+    assert "no network" not in str(err.value)  # a server that answers is not a missing network
+    with pytest.raises(stage.DataError, match=re.escape(str(dest)) + ".*no network"):
+        stage.download(dead_url(), dest, timeout=5)
+    assert list(tmp_path.iterdir()) == []  # the folder made for it is gone again
     with pytest.raises(KeyError, match="nope"):
         stage.data_file("nope")
+
+
+def test_fetch_names_every_missing_file_at_once(stage, server, tmp_path):
+    files = [(dead_url("a.txt"), tmp_path / "new" / "a.txt", None),
+             (server.url(), tmp_path / "good.bin", PAYLOAD_SHA),
+             (server.url("/gone"), tmp_path / "new" / "b.txt", None)]
+    with pytest.raises(stage.DataError) as err:
+        stage.fetch(files)
+    message = str(err.value)
+    assert message.startswith("2 file(s) this run needs cannot be had")
+    for url, dest, _ in files[::2]:
+        assert str(dest) in message and url in message
+    assert (tmp_path / "good.bin").read_bytes() == PAYLOAD  # what could be had was fetched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.bin"]  # no empty new/ left
+
+
+def test_a_file_placed_by_hand_is_checked(stage, tmp_path):
+    """data/ may be filled by hand (offline machines): a wrong file is named, never used."""
+    url, dest, sha = stage.data_entry("the-verdict.txt", tmp_path)
+    dest.write_text("")
+    with pytest.raises(stage.DataError, match=r"the-verdict\.txt \(0 bytes\) is not the expected"):
+        stage.data_file("the-verdict.txt", tmp_path)
+    dest.write_bytes(stage.data_file("the-verdict.txt").read_bytes())
+    assert stage.data_file("the-verdict.txt", tmp_path) == dest  # the right one: no download
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == sha
+    (tmp_path / "as-file").write_text("x")
+    with pytest.raises(stage.DataError, match="is a file, not a directory"):
+        stage.data_file("the-verdict.txt", tmp_path / "as-file")
+
+
+def test_two_downloads_of_one_file_share_it(stage, server, tmp_path):
+    """The second caller waits on the first one's lock instead of appending to its .part."""
+    server.delay = 0.3  # seconds before the body, so that the two overlap
+    dest = tmp_path / "f.bin"
+    results, errors = [], []
+
+    def get():
+        try:
+            results.append(stage.download(server.url(), dest, sha256=PAYLOAD_SHA))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=get) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and results == [dest, dest]
+    assert dest.read_bytes() == PAYLOAD and server.ranges == [None]  # one transfer
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]  # no .part or .lock left
+
+
+def test_read_ranks_names_a_bad_line_and_rereads_the_file(stage, tmp_path):
+    path = tmp_path / "r.tiktoken"
+    path.write_bytes(b"YQ== 0\nYg== 1\n")
+    assert stage.read_ranks(path) == {b"a": 0, b"b": 1}
+    path.write_bytes(b"YQ== 0\nYw== 1\n")  # replaced at the same path: the new content counts
+    assert stage.read_ranks(path) == {b"a": 0, b"c": 1}
+    for bad in (b"YQ== 0\nYg==\n", b"YQ== 0\n!!!! 1\n", b"YQ== 0\nYg== one\n"):
+        path.write_bytes(bad)
+        with pytest.raises(stage.DataError, match=r"r\.tiktoken, line 2: expected"):
+            stage.read_ranks(path)
+
+
+def test_gpt2_tokenizer_needs_no_path(stage, gpt2):
+    assert stage.BPETokenizer.gpt2().ranks == gpt2.ranks
 
 
 # -- the script --------------------------------------------------------------------------------

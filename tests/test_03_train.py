@@ -59,7 +59,10 @@ def test_load_gpt2_matches_transformers(hf, model, B, T):
     ids = random_ids((B, T), seed=T)
     expected = hf(ids).logits
     assert expected.std() > 0.3
-    torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+    # float32 sums in a CPU-dependent order: relative tolerance here, exactness in float64
+    torch.testing.assert_close(model(ids), expected, rtol=1e-4, atol=1e-4)
+    expected64 = copy.deepcopy(hf).double()(ids).logits
+    torch.testing.assert_close(copy.deepcopy(model).double()(ids), expected64, rtol=0, atol=1e-10)
 
 
 def write_hf_dir(folder, config, state):
@@ -88,7 +91,7 @@ def test_load_gpt2_reads_the_original_openai_layout(stage, hf, hf_files, tmp_pat
         old[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     loaded = stage.load_gpt2(write_hf_dir(tmp_path / "openai", config, old))
     ids = random_ids((2, 23), seed=8)
-    torch.testing.assert_close(loaded(ids), hf(ids).logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loaded(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def edit_config(key, value):
@@ -112,17 +115,19 @@ def edit_tensor(name, edit):
 ])
 def test_load_gpt2_names_what_does_not_fit(stage, hf_files, tmp_path, change, message):
     config, state = change(*hf_files)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(stage.DataError, match=message):
         stage.load_gpt2(write_hf_dir(tmp_path / "bad", config, state))
 
 
 def test_load_gpt2_missing_files(stage, hf_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a GPT-2 size"):
+    with pytest.raises(stage.DataError, match="neither a GPT-2 size"):
         stage.load_gpt2(tmp_path / "nowhere")
-    folder = tmp_path / "config_only"
+    folder = tmp_path / "empty"
     folder.mkdir()
+    with pytest.raises(stage.DataError, match=r"lacks config\.json and model\.safetensors"):
+        stage.load_gpt2(folder)
     shutil.copy(hf_dir / "config.json", folder)
-    with pytest.raises(FileNotFoundError, match=r"model\.safetensors is missing"):
+    with pytest.raises(stage.DataError, match=r"lacks model\.safetensors"):
         stage.load_gpt2(folder)
 
 
@@ -319,20 +324,20 @@ def test_checkpoint_round_trip_is_exact(stage, any_model, tmp_path):
 
 
 def test_load_checkpoint_errors(stage, model, tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(stage.DataError, match="missing.safetensors: no such file"):
         stage.load_checkpoint(tmp_path / "missing.safetensors")
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(tmp_path / "bare.safetensors"))
-    with pytest.raises(ValueError, match="metadata"):
+    with pytest.raises(stage.DataError, match="metadata"):
         stage.load_checkpoint(tmp_path / "bare.safetensors")
     config = json.dumps({**dataclasses.asdict(model.cfg), "context_length": 41})
     save_file(state, str(tmp_path / "longer.safetensors"), metadata={"config": config})
-    with pytest.raises(ValueError, match=r"'wpe\.weight'"):
+    with pytest.raises(stage.DataError, match=r"'wpe\.weight'"):
         stage.load_checkpoint(tmp_path / "longer.safetensors")
     state["h.0.attn.c_attn.bias"] = state["h.0.attn.c_attn.bias"][:-2].clone()
     config = json.dumps(dataclasses.asdict(model.cfg))
     save_file(state, str(tmp_path / "short.safetensors"), metadata={"config": config})
-    with pytest.raises(ValueError, match=r"'h\.0\.attn\.c_attn\.bias'"):
+    with pytest.raises(stage.DataError, match=r"'h\.0\.attn\.c_attn\.bias'"):
         stage.load_checkpoint(tmp_path / "short.safetensors")
 
 
@@ -424,7 +429,7 @@ def test_train_steps_like_a_plain_adamw_loop(stage, learnable_tokens):
             step += 1
     assert clipped > 0
     for (name, a), b in zip(gpt.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_evaluate_is_the_mean_cross_entropy(stage, learnable_tokens):
@@ -484,17 +489,20 @@ def test_main_trains_saves_and_samples(stage, monkeypatch, capsys, tmp_path):
     sampling from the saved checkpoint, which must print what generate() gives for the seed."""
     monkeypatch.setitem(stage.TRAIN_PRESETS["tiny"], "model", dict(n_layer=1, n_head=2, n_embd=16))
     ckpt = str(tmp_path / "tiny.safetensors")
-    common = ["--device", "cpu", "--context-length", "32", "--max-new-tokens", "6"]
+    common = ["--device", "cpu", "--max-new-tokens", "6"]
     monkeypatch.setattr(sys, "argv", ["03_train.py", "--epochs", "1", "--batch-size", "16",
-                                      "--eval-every", "4", "--save", ckpt, *common])
+                                      "--eval-every", "4", "--context-length", "32",
+                                      "--save", ckpt, *common])
     stage.main()
     out = capsys.readouterr().out
     assert "step     9/9 | epoch 1" in out and f"saved {ckpt}" in out
+    assert "\ngenerated (6 new tokens, greedy):\nEvery effort moves you" in out
 
     args = ["--load", ckpt, "--temperature", "0.8", "--top-k", "5", "--prompt", "Every effort"]
     monkeypatch.setattr(sys, "argv", ["03_train.py", *args, *common])
     stage.main()
     out = capsys.readouterr().out
+    assert "generated (6 new tokens, temperature 0.8, top-k 5):" in out
     torch.manual_seed(123)  # main's default seed, set before it builds the model
     loaded = stage.load_checkpoint(ckpt).eval()
     tok = stage.gpt2_tokenizer()
