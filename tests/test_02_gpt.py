@@ -212,6 +212,85 @@ def test_gpt2_tokenizer_is_tiktokens_gpt2(stage, reference, verdict):
     assert enc.encode("Hello, world!") == [15496, 11, 995, 0]  # GPT-2's well-known ids
 
 
+# Long chunks, where merge order matters most: runs of one byte, of a two-byte pattern,
+# of multi-byte characters (whose bytes must merge inside each character before across them).
+LONG_CHUNKS = ["a" * 5000, "ab" * 3000, " " * 4000, "\n" * 3000, "1234567890" * 500,
+               "\u00e9" * 2000, "\U0001f642" * 1000, "\t" * 999 + "x", "aab" * 1500]
+
+
+def random_runs(rng, n_runs, max_run):
+    """Text of `n_runs` runs of pieces chosen at random, many of them multi-byte."""
+    pieces = ["a", "ab", "aa b", " ", "\n", "1234567890", "\u00e9", "\U0001f642", "\u4e2d",
+              "\u0301", "!?", " \u00e9a"]
+    return "".join(rng.choice(pieces) * rng.randint(1, max_run) for _ in range(n_runs))
+
+
+def bpe_by_rescanning(ranks, data):
+    """The plain quadratic BPE: rescan every adjacent pair, merge the one of lowest rank (leftmost
+    on ties), repeat until no pair has a rank. The reference for `_bpe`, on modest sizes."""
+    parts = [data[i:i + 1] for i in range(len(data))]
+    while True:
+        ranked = [(ranks[a + b], i) for i, (a, b) in enumerate(zip(parts, parts[1:]))
+                  if a + b in ranks]
+        if not ranked:
+            return [ranks[p] for p in parts]
+        _, i = min(ranked)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+def test_long_chunks_match_tiktoken(gpt2, reference):
+    for text in LONG_CHUNKS:
+        assert_same_as_tiktoken(gpt2, reference, text)
+    rng = random.Random(2)
+    for _ in range(5):
+        assert_same_as_tiktoken(gpt2, reference, random_runs(rng, 60, 200))
+
+
+def test_rescanning_reference_is_gpt2s_rule(gpt2, reference):
+    """The reference is GPT-2's rule: on texts of one chunk it gives tiktoken's ids."""
+    for text in ("a" * 300, "ab" * 150, " " * 300, "\U0001f642" * 80, "1234567890" * 30):
+        assert bpe_by_rescanning(gpt2.ranks, text.encode()) == reference.encode_ordinary(text)
+
+
+def test_trained_bpe_matches_rescanning(trained, verdict):
+    """A vocabulary other than GPT-2's: `_bpe` on long chunks equals the rescanning reference."""
+    # `_bpe` takes any string: whole passages as one chunk merge in many places at once. On an odd
+    # run of "e"s, merging the rightmost "ee" first (the wrong tie rule) would end differently.
+    letters = re.sub("[^a-z]", "", verdict.lower())
+    rng = random.Random(3)
+    texts = ([verdict[:1500], verdict[-1500:], letters[:1500], "the" * 400, "e" * 999]
+             + [text[:600] for text in LONG_CHUNKS]
+             + ["".join(rng.choice("etaoinshrd ") for _ in range(1200)) for _ in range(3)]
+             + [random_runs(rng, 30, 20) for _ in range(3)])
+    for text in texts:
+        assert list(trained._bpe(text)) == bpe_by_rescanning(trained.ranks, text.encode()), text
+        assert trained.decode(trained.encode(text)) == text
+
+
+def best_seconds(f, budget):
+    """Fastest of up to 3 runs of `f`, the one least slowed by other work on the machine; fewer
+    runs once `budget` seconds are spent, so a far too slow `f` is timed only once."""
+    times = []
+    while len(times) < 3 and sum(times) < budget:
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_bpe_of_a_long_chunk_is_n_log_n(gpt2, reference):
+    """`_bpe` (which bypasses the chunk cache) on one chunk of 20,000 then 80,000 "a"s: within a
+    constant factor of tiktoken, and 4x the bytes costs well under 16x the time. Ratios, not
+    seconds, so a slow machine passes. Measured: 15-35x tiktoken, and 4.3x the time for 4x the
+    bytes; the quadratic loop (rescan all pairs after each merge) took 41 s at 20,000, 5,000x."""
+    small, big = "a" * 20_000, "a" * 80_000
+    ours_small = best_seconds(lambda: gpt2._bpe(small), budget=0.5)
+    tiktoken_small = best_seconds(lambda: reference.encode_ordinary(small), budget=0.5)
+    assert ours_small < 300 * tiktoken_small, (ours_small, tiktoken_small)
+    ours_big = best_seconds(lambda: gpt2._bpe(big), budget=2.0)
+    assert ours_big < 8 * ours_small, (ours_big, ours_small)
+
+
 # -- chapter 4: the sliding-window dataset ------------------------------------------------------
 
 @pytest.mark.parametrize("n, T, stride", [(103, 7, 7), (103, 7, 3), (103, 7, 10), (8, 7, 1),
