@@ -2620,8 +2620,8 @@ def use_flash_attention(model):
     return use_attention(model, attend_flash)
 
 
-# NEW in stage 06: the chapter on one small case, in the default run: the online softmax on one
-# row, the three attentions against a float64 reference, and the memory each keeps.
+# The chapter on one small case, main's default run: the online softmax of one row, the three
+# attentions against a float64 reference, and the memory each keeps.
 def attention_chapter(device):
     """Chapter 15 in three short prints: (1) the online softmax of one row, block by block;
     (2) naive_attention, tiled_attention_torch and flash_attention on one causal GQA case with
@@ -2663,21 +2663,23 @@ def attention_chapter(device):
         return out, lse, *(t.grad for t in inputs)
 
     ref = run(naive_attention, torch.float64)
-    print(f"B={B} Hq={Hq} Hkv={Hkv} T={T} S={S} D={D}, causal, {str(dtype)[6:]}: "
+    cols, dname = ("out", "lse", "dq", "dk", "dv"), str(dtype).removeprefix("torch.")
+    print(f"B={B} Hq={Hq} Hkv={Hkv} T={T} S={S} D={D}, causal, {dname}: "
           f"max abs error against naive_attention in float64")
-    print(f"  {'':<6}" + "".join(f"{col:>9}" for col in ("out", "lse", "dq", "dk", "dv")))
+    print(f"  {'':<6}" + "".join(f"{col:>9}" for col in cols))
     for name, attention in (("naive", naive_attention), ("tiled", tiled_attention_torch),
                             ("flash", flash_attention_with_lse)):
-        errs = [(ours.double() - r).abs().max().item() for ours, r in zip(run(attention, dtype), ref)]
-        errors.update({f"{name}_{col}": e for col, e in zip(("out", "lse", "dq", "dk", "dv"), errs)})
+        errs = [(ours.double() - r).abs().max().item()
+                for ours, r in zip(run(attention, dtype), ref)]
+        errors.update({f"{name}_{col}": e for col, e in zip(cols, errs)})
         print(f"  {name:<6}" + "".join(f"{e:9.1e}" for e in errs))
 
     # 3. Memory: one (T, S) matrix of scores (naive_attention makes several: scores, probabilities)
     # against what the flash forward writes and keeps for the backward: O and the float32 lse.
     print("memory: naive (T, S) scores B*Hq*T*S*bytes vs flash O + lse B*Hq*T*(D*bytes + 4)")
     size = torch.empty(0, dtype=dtype).element_size()
-    for label, (b, h, t, s, d, n) in ((f"this case, {str(dtype)[6:]}", (B, Hq, T, S, D, size)),
-                                      ("computed, bf16", (4, 16, 4096, 4096, 128, 2))):
+    for label, (b, h, t, s, d, n) in ((f"the case above, {dname}", (B, Hq, T, S, D, size)),
+                                      ("a real size, bf16 (not run)", (4, 16, 4096, 4096, 128, 2))):
         scores, kept = b * h * t * s * n, b * h * t * (d * n + 4)
         print(f"  {label}: {b}*{h}*{t}*{s}*{n} = {scores:,} B vs "
               f"{b}*{h}*{t}*({d}*{n} + 4) = {kept:,} B, {scores / kept:.0f}x less")

@@ -329,7 +329,8 @@ def test_attention_chapter_errors_and_prints(fa, capsys):
     # float32 through the interpreter: every error is ~1e-7 to 1e-6 (the online softmax ~1e-8);
     # a missing rescale or a wrong scale is off by 1e-2 or more
     errors = fa.attention_chapter(torch.device("cpu"))
-    names = [f"{m}_{c}" for m in ("naive", "tiled", "flash") for c in ("out", "lse", "dq", "dk", "dv")]
+    names = [f"{method}_{col}" for method in ("naive", "tiled", "flash")
+             for col in ("out", "lse", "dq", "dk", "dv")]
     assert set(errors) == {"online_softmax", *names}
     assert errors["online_softmax"] < 1e-6
     for name in names:
