@@ -10,14 +10,17 @@ What this stage teaches
         FlashAttention-2 backward (dq, dk, dv) behind a torch.autograd.Function.
     The GPT trains and generates with it (`--attention flash`, the default).
 
-New since stage 05: chapter 15, `--attention`, and `use_attention` / `use_flash_attention`.
+New since stage 05: chapter 15, `--attention`, `use_attention` / `use_flash_attention`, and
+`attention_chapter`, which the default run prints after stage 05's kernel check: the online
+softmax of one row block by block, the naive, tiled and flash attentions' errors against a
+float64 reference, and the bytes of the score matrix against what the flash forward keeps.
 Changed: `--bench` prints the attention table (forward and backward TFLOP/s against torch's
 SDPA and the naive version, peak memory), then GPT-2 124M training throughput on the stage's
 kernels against torch eager and torch.compile with SDPA; stage 05's kernel table is
 `--bench-kernels`.
 
 Run
-    python 06_flash_attention.py                   # kernels vs torch, GPT on the kernels
+    python 06_flash_attention.py                   # kernels vs torch, chapter 15, GPT on them
     python 06_flash_attention.py --train           # stage 03's run, Triton kernels + flash
     python 06_flash_attention.py --bench           # attention table, then training tokens/s
 Without CUDA the kernels run in Triton's interpreter at small sizes.
@@ -2766,6 +2769,72 @@ def use_flash_attention(model):
     return use_attention(model, attend_flash)
 
 
+# The chapter on one small case, main's default run: the online softmax of one row, the three
+# attentions against a float64 reference, and the memory each keeps.
+def attention_chapter(device):
+    """Chapter 15 in three short prints: (1) the online softmax of one row, block by block;
+    (2) naive_attention, tiled_attention_torch and flash_attention on one causal GQA case with
+    T != S, forward and backward, against naive_attention in float64; (3) the bytes of the
+    (T, S) score matrix against what the flash forward keeps. Small sizes in float32 on the CPU
+    (the interpreter), larger in bf16 on a GPU. Returns the max abs errors by name."""
+    gen = torch.Generator().manual_seed(0)
+    errors = {}
+    print(f"\nChapter 15 on {device}{' (interpreter)' if INTERPRET else ''}:")
+
+    # 1. One row of scores, read 4 at a time as the kernel reads blocks of keys. The scores rise
+    # along the row, so that later blocks raise the maximum and alpha has something to do.
+    x = torch.randn(12, generator=gen) + torch.linspace(0, 4, 12)
+    m, l = torch.tensor(float("-inf")), torch.tensor(0.0)  # running max, running sum of exp(x - m)
+    print("online softmax of one row of 12 scores, 4 at a time:")
+    for start in range(0, x.numel(), 4):
+        block = x[start:start + 4]
+        m_new = torch.maximum(m, block.max())
+        alpha = torch.exp(m - m_new)  # the sum so far was taken under the old maximum: rescale it
+        l = l * alpha + torch.exp(block - m_new).sum()
+        print(f"  block {start // 4}: block max {block.max():6.3f}   m {m:6.3f} -> {m_new:6.3f}"
+              f"   alpha = exp(m_old - m_new) {alpha:.3f}   l {l:7.3f}")
+        m = m_new
+    errors["online_softmax"] = (torch.exp(x - m) / l - torch.softmax(x, -1)).abs().max().item()
+    print(f"  exp(x - m) / l vs torch.softmax: max abs diff {errors['online_softmax']:.1e}")
+
+    # 2. One causal GQA case with T < S (the bottom-right mask of a KV-cached decode).
+    B, Hq, Hkv, T, S, D, dtype = ((1, 4, 2, 37, 100, 32, torch.float32) if device.type == "cpu"
+                                  else (2, 16, 4, 1000, 1536, 128, torch.bfloat16))
+    q, k, v = (torch.randn(B, h, n, D, generator=gen, dtype=torch.float64).to(device)
+               for h, n in ((Hq, T), (Hkv, S), (Hkv, S)))
+    dout = torch.randn(B, Hq, T, D, generator=gen, dtype=torch.float64).to(device)
+
+    def run(attention, dt):
+        """out, lse, dq, dk, dv of one attention in dtype dt."""
+        inputs = [t.to(dt).detach().requires_grad_() for t in (q, k, v)]
+        out, lse = attention(*inputs, causal=True)
+        out.backward(dout.to(dt))
+        return out, lse, *(t.grad for t in inputs)
+
+    ref = run(naive_attention, torch.float64)
+    cols, dname = ("out", "lse", "dq", "dk", "dv"), str(dtype).removeprefix("torch.")
+    print(f"B={B} Hq={Hq} Hkv={Hkv} T={T} S={S} D={D}, causal, {dname}: "
+          f"max abs error against naive_attention in float64")
+    print(f"  {'':<6}" + "".join(f"{col:>9}" for col in cols))
+    for name, attention in (("naive", naive_attention), ("tiled", tiled_attention_torch),
+                            ("flash", flash_attention_with_lse)):
+        errs = [(ours.double() - r).abs().max().item()
+                for ours, r in zip(run(attention, dtype), ref)]
+        errors.update({f"{name}_{col}": e for col, e in zip(cols, errs)})
+        print(f"  {name:<6}" + "".join(f"{e:9.1e}" for e in errs))
+
+    # 3. Memory: one (T, S) matrix of scores (naive_attention makes several: scores, probabilities)
+    # against what the flash forward writes and keeps for the backward: O and the float32 lse.
+    print("memory: naive (T, S) scores B*Hq*T*S*bytes vs flash O + lse B*Hq*T*(D*bytes + 4)")
+    size = torch.empty(0, dtype=dtype).element_size()
+    for label, (b, h, t, s, d, n) in ((f"the case above, {dname}", (B, Hq, T, S, D, size)),
+                                      ("a real size, bf16 (not run)", (4, 16, 4096, 4096, 128, 2))):
+        scores, kept = b * h * t * s * n, b * h * t * (d * n + 4)
+        print(f"  {label}: {b}*{h}*{t}*{s}*{n} = {scores:,} B vs "
+              f"{b}*{h}*{t}*({d}*{n} + 4) = {kept:,} B, {scores / kept:.0f}x less")
+    return errors
+
+
 # Benchmark: forward and backward TFLOP/s against torch's SDPA (its fastest backend here) and
 # the naive attention, in one run; peak memory of forward + backward, ours against naive.
 def attention_flops(B, H, T, S, D, causal):
@@ -3219,6 +3288,7 @@ def main():
         files.append(data_entry("the-verdict.txt", args.data_dir))
     fetch(files)
     demo_triton(device)
+    attention_chapter(device)  # NEW in stage 06
     tokenizer = gpt2_tokenizer(args.data_dir)
     if args.load or args.gpt2 or args.gpt2_dir:
         model = load_model(args, device)

@@ -105,7 +105,32 @@ float time_ms(F launch, int reps = 20) {
 // compute-sanitizer slows every access down by orders of magnitude.
 inline bool check_only(int argc, char** argv) { return argc > 1 && std::strcmp(argv[1], "--check") == 0; }
 
+// Exit status of a program that finds no GPU to run on, apart from 1 (a check failed), so that
+// `make run` can say it once and stop instead of repeating it for every program.
+constexpr int EXIT_NO_GPU = 2;
+
+// Without a GPU the runtime's first call fails: with cudaErrorNoDevice, or, where no NVIDIA driver
+// is installed at all, with cudaErrorInsufficientDriver, whose text ("CUDA driver version is
+// insufficient for CUDA runtime version") reads like a version problem. Say what it means, stop.
+inline void require_gpu(const char* program) {
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver || (err == cudaSuccess && count == 0)) {
+        int runtime = 0;
+        cudaRuntimeGetVersion(&runtime);  // e.g. 13000 for CUDA 13.0
+        std::fprintf(stderr,
+                     "%s: no CUDA GPU found (cudaGetDeviceCount: %s); these programs need an NVIDIA GPU "
+                     "with a driver for CUDA %d.%d or newer\n",
+                     program, err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), runtime / 1000,
+                     runtime % 1000 / 10);
+        std::exit(EXIT_NO_GPU);
+    }
+    CUDA_CHECK(err);
+}
+
+// The first call of every program's main(): stops with EXIT_NO_GPU where there is no GPU.
 inline void print_device(const char* program) {
+    require_gpu(program);
     int device = 0;
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDevice(&device));

@@ -67,6 +67,31 @@ def test_csrc_compiles(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {p.stem for p in CSRC.glob("*.cu")}
 
 
+def gpu_listed():
+    """Whether nvidia-smi lists a GPU: without one, the csrc/ programs must say so and stop."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return result.returncode == 0 and "GPU" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.skipif(HAS_CUDA or gpu_listed(), reason="checks the message of a machine without a GPU")
+def test_csrc_run_says_no_gpu(tmp_path):
+    # the two smallest programs (a few seconds each to build): the first names the problem and
+    # exits 2 (EXIT_NO_GPU), where the runtime alone would say "CUDA driver version is
+    # insufficient", and `make run` stops there instead of repeating it for the second
+    result = subprocess.run(["make", "-C", str(CSRC), "-j2", "run", f"BUILD={tmp_path}",
+                             "PROGRAMS=vector_add gelu"], capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert "vector_add: no CUDA GPU found (cudaGetDeviceCount: " in output, output
+    assert "these programs need an NVIDIA GPU" in output, output
+    assert "Error 2" in output and f"== {tmp_path}/gelu" not in output, output
+    assert result.returncode != 0
+    program = subprocess.run([str(tmp_path / "vector_add"), "--check"], capture_output=True, text=True)
+    assert program.returncode == 2 and "no CUDA GPU found" in program.stderr, program
+
+
 X = torch.randn(4, 8)  # float32, contiguous, 2-D: right in every way but its device (the CPU)
 BAD_INPUTS = {
     "cpu tensor": (lambda s: s.vector_add(X, X), ValueError, "CUDA tensors"),

@@ -323,3 +323,18 @@ def test_attention_flops_convention(fa):
     # 4*B*H*T*S*D forward, half of it under the causal mask
     assert fa.attention_flops(4, 16, 4096, 4096, 128, False) == 4 * 4 * 16 * 4096 * 4096 * 128
     assert fa.attention_flops(4, 16, 4096, 4096, 128, True) == 2 * 4 * 16 * 4096 * 4096 * 128
+
+
+def test_attention_chapter_errors_and_prints(fa, capsys):
+    # float32 through the interpreter: every error is ~1e-7 to 1e-6 (the online softmax ~1e-8);
+    # a missing rescale or a wrong scale is off by 1e-2 or more
+    errors = fa.attention_chapter(torch.device("cpu"))
+    names = [f"{method}_{col}" for method in ("naive", "tiled", "flash")
+             for col in ("out", "lse", "dq", "dk", "dv")]
+    assert set(errors) == {"online_softmax", *names}
+    assert errors["online_softmax"] < 1e-6
+    for name in names:
+        assert errors[name] < 1e-5, f"{name} {errors[name]:.2e}"
+    printed = capsys.readouterr().out
+    for part in ("online softmax", "alpha", "naive", "tiled", "flash", "memory", "B*Hq*T*S"):
+        assert part in printed, part
