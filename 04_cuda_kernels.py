@@ -835,7 +835,7 @@ class Limits:
     copy_gbps: float    # device-to-device copy, bytes read + bytes written per second
     fp32_tflops: float  # fp32 matmul without tensor cores (cuBLAS, TF32 off)
     bf16_tflops: float  # bf16 matmul on tensor cores (cuBLAS)
-    source: str         # "measured" or "datasheet"
+    source: str         # where the figures come from: the datasheet, or the GPU they were measured on
 
 
 @contextlib.contextmanager
@@ -885,7 +885,7 @@ def measure_limits():
         fp32_tflops = 2 * S**3 / time_ms(lambda: a @ b) / 1e9
     a, b = a.bfloat16(), b.bfloat16()
     bf16_tflops = 2 * S**3 / time_ms(lambda: a @ b) / 1e9
-    limits = Limits(copy_gbps, fp32_tflops, bf16_tflops, "measured")
+    limits = Limits(copy_gbps, fp32_tflops, bf16_tflops, f"measured on {torch.cuda.get_device_name()}")
     print(f"limits of {torch.cuda.get_device_name()}: datasheet (H200 SXM) vs measured")
     rows = [("copy_gbps", "copy bandwidth", "GB/s"), ("fp32_tflops", "fp32 FMA (cuBLAS, TF32 off)", "TFLOP/s"),
             ("bf16_tflops", "bf16 tensor cores (cuBLAS)", "TFLOP/s")]
@@ -922,7 +922,7 @@ def roofline_ms(flops, nbytes, unit, limits):
 def describe_roofline(limits=None):
     """Print each kernel's arithmetic intensity and floor (datasheet numbers without a GPU)."""
     if limits is None:
-        limits = Limits(**H200_DATASHEET, source="datasheet")
+        limits = Limits(**H200_DATASHEET, source="H200 SXM datasheet")
     ridge_fp32, ridge_bf16 = (peak * 1e3 / limits.copy_gbps for peak in (limits.fp32_tflops, limits.bf16_tflops))
     print(f"roofline ({limits.source}): {limits.copy_gbps:.0f} GB/s, {limits.fp32_tflops:.0f} TFLOP/s fp32, "
           f"{limits.bf16_tflops:.0f} TFLOP/s bf16; ridge at {ridge_fp32:.0f} FLOP/byte (fp32), {ridge_bf16:.0f} (bf16)")

@@ -151,11 +151,23 @@ def test_summation_order_demo(stage, capsys):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message printed without a GPU")
-def test_script_runs_without_a_gpu():
-    result = subprocess.run([sys.executable, str(ROOT / "04_cuda_kernels.py")], capture_output=True, text=True,
-                            timeout=300)
+def test_script_runs_without_a_gpu(stage):
+    """The CPU path end to end: the roofline on the datasheet it names, the summation-order demo,
+    and a labelled generation from the untrained GPT; --bench says in one line that it needs a GPU."""
+    result = subprocess.run([sys.executable, str(ROOT / "04_cuda_kernels.py"), "--max-new-tokens", "5"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "NVIDIA GPU" in result.stdout
+    out = result.stdout
+    assert "the CUDA kernels need an NVIDIA GPU; running the CPU parts only" in out
+    assert "roofline (H200 SXM datasheet): 4800 GB/s, 67 TFLOP/s fp32, 989 TFLOP/s bf16" in out
+    for name, (size, flops, nbytes, _) in stage.kernel_work().items():
+        assert re.search(rf"{re.escape(name)} +{re.escape(size)} +{flops / 1e9:.2f} +{nbytes / 1e6:.1f} ", out), name
+    assert "pairwise tree (block reduction)" in out
+    assert "\ngenerated (5 new tokens, greedy):\nEvery effort moves you" in out
+    result = subprocess.run([sys.executable, str(ROOT / "04_cuda_kernels.py"), "--bench"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().splitlines() == [
+        "--bench times the CUDA kernels: it needs an NVIDIA GPU (--device cuda)"]
 
 
 # ---------------------------------------------------------------------------------------------
