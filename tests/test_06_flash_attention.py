@@ -338,3 +338,15 @@ def test_attention_chapter_errors_and_prints(fa, capsys):
     printed = capsys.readouterr().out
     for part in ("online softmax", "alpha", "naive", "tiled", "flash", "memory", "B*Hq*T*S"):
         assert part in printed, part
+
+
+def test_gpt_and_loss_still_check_ranges(fa):
+    """06 lets a CUDA graph capture skip the token-range checks of GPT.forward and cross_entropy;
+    outside a capture (here, on the CPU) both still refuse out-of-range ids."""
+    gpt = fa.GPT(fa.GPTConfig(vocab_size=11, context_length=8, n_embd=16, n_head=2, n_layer=1))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 11\)"):
+        gpt(torch.tensor([[3, 11]]))
+    logits = torch.randn(2, 11)
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 11\)"):
+        fa.cross_entropy(logits, torch.tensor([1, 11]))
+    assert fa.cross_entropy(logits, torch.tensor([1, -100])).isfinite()  # ignore_index is allowed

@@ -1,9 +1,18 @@
-"""Code that stages 03-06 all carry (the command line, the data files, the loaders), tested the
-same way in every stage that has it: a copy that drifts or breaks fails here under its own name.
+"""Code that stages 03-06 all carry, and how this suite makes sure every copy is tested.
 
-Everything runs on the CPU in seconds: no test here trains, and the work a bad flag must never
-reach (downloads, training) is replaced by a function that fails the test if it is called.
+The rule (stages 07-10 follow it too): every definition a stage inherits is checked in every
+stage that carries it, one of two ways.
+- Unchanged: `test_inherited_definitions_are_copies` proves its text equals the previous
+  stage's, so the tests of the stage that wrote it cover every later copy.
+- Changed (CHANGED below names it, with the tests that check the new version): those tests run
+  against this stage's own copy, usually by parametrizing over STAGES as the tests here do.
+
+The command line, the data files, the loaders and the training loop are tested here in every
+stage. Everything runs on the CPU in seconds; the work a bad flag must never reach (downloads,
+training) is replaced by a function that fails the test if it is called.
 """
+import ast
+import copy
 import re
 import subprocess
 import sys
@@ -11,9 +20,10 @@ import sys
 import pytest
 import requests
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from conftest import ROOT, load_stage
+from conftest import ROOT, learnable_tokens, load_stage, loaders, tiny_config
 
 STAGES = ["03_train", "04_cuda_kernels", "05_triton", "06_flash_attention"]
 
@@ -189,3 +199,135 @@ def test_the_script_reports_a_bad_file_in_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: {tmp_path / 'm.safetensors'}: not a readable safetensors")
+
+
+# -- every inherited definition is a copy, or a change with its own tests ----------------------
+
+CHAIN = ["02_gpt", "03_train", "04_cuda_kernels", "05_triton", "06_flash_attention"]
+# stage -> {name: tests (file::function) that check that stage's changed version}
+CHANGED = {
+    "03_train": {"main": ["test_03_train.py::test_main_trains_saves_and_samples"]},
+    "04_cuda_kernels": {
+        name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work",
+               "test_04_cuda_kernels.py::test_script_runs_without_a_gpu"]
+        for name in ("main", "parse_args", "check_args")},
+    "05_triton": {
+        **{name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work"]
+           for name in ("main", "parse_args", "check_args", "compare_on_kernels", "train_model")},
+        # stage 04's CUDA kernels, redone in Triton under the same names
+        "_check": ["test_05_triton.py::test_bad_inputs"],
+        "vector_add": ["test_05_triton.py::test_vector_add"],
+        "softmax": ["test_05_triton.py::test_softmax"],
+        "layer_norm": ["test_05_triton.py::test_layer_norm"],
+        "gelu": ["test_05_triton.py::test_gelu"],
+        "evaluate": ["test_carried_forward.py::test_evaluate_is_the_mean_cross_entropy"],
+        "train": ["test_carried_forward.py::test_train_steps_like_a_plain_adamw_loop"],
+        "bench": ["GPU only: run by --bench"], "bench_kernels": ["GPU only: run by --bench"],
+    },
+    "06_flash_attention": {
+        **{name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work"]
+           for name in ("main", "parse_args", "check_args", "compare_on_kernels", "train_model")},
+        # both skip their range check while a CUDA graph is captured
+        **{name: ["test_06_flash_attention.py::test_gpt_and_loss_still_check_ranges",
+                  "test_06_flash_attention.py::test_gpu_cuda_graph_step_matches_launched_steps"]
+           for name in ("GPT", "cross_entropy")},
+        "make_optimizer": ["test_carried_forward.py::test_optimizer_decays_matrices_only"],
+        "bench": ["GPU only: run by --bench"],
+    },
+}
+
+
+def top_level_definitions(stage_name):
+    """name -> source text of each function, class and assignment at the top of a stage file."""
+    source = (ROOT / f"{stage_name}.py").read_text()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = ast.get_source_segment(source, node)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
+                node.targets[0], ast.Name):
+            found[node.targets[0].id] = ast.get_source_segment(source, node)
+    return found
+
+
+@pytest.mark.parametrize("before, after", list(zip(CHAIN, CHAIN[1:])))
+def test_inherited_definitions_are_copies(before, after):
+    old, new = top_level_definitions(before), top_level_definitions(after)
+    changed = sorted(name for name in old.keys() & new.keys() if old[name] != new[name])
+    assert changed == sorted(CHANGED.get(after, {})), (
+        f"{after} changes {changed} of {before}: copy them unchanged, or list each in CHANGED "
+        f"with the tests that check the new version")
+    for name, tests in CHANGED.get(after, {}).items():
+        for test in tests:
+            if test.startswith("GPU only"):
+                continue
+            file, function = test.split("::")
+            assert re.search(rf"^def {function}\(", (ROOT / "tests" / file).read_text(),
+                             re.MULTILINE), f"{after}.{name}: no test {test}"
+
+
+# -- the training loop, in every stage (05 gives train and evaluate a loss argument) ------------
+
+def test_evaluate_is_the_mean_cross_entropy(stage):
+    """With dropout on in training, evaluate() must switch it off (its result is the eval-mode
+    loss) and put the model back in whichever mode it found it."""
+    torch.manual_seed(1)
+    gpt = stage.GPT(tiny_config(stage, dropout=0.5))
+    _, val_loader = loaders(stage, learnable_tokens())
+    batches = list(val_loader)
+    assert len(batches) == 2
+
+    def mean_nll(x, y):  # float64, by hand, in eval mode
+        logp = gpt.eval()(x).double().log_softmax(-1)
+        return -logp.gather(-1, y[..., None]).mean().item()
+
+    with torch.no_grad():
+        by_hand = [mean_nll(x, y) for x, y in batches]
+    for training in (True, False):
+        gpt.train(training)
+        assert stage.evaluate(gpt, val_loader, "cpu") == pytest.approx(sum(by_hand) / 2, abs=1e-5)
+        assert stage.evaluate(gpt, val_loader, "cpu", max_batches=1) == pytest.approx(
+            by_hand[0], abs=1e-5)
+        assert gpt.training == training  # evaluate puts the mode back
+
+
+def test_train_steps_like_a_plain_adamw_loop(stage):
+    """train() against the loop written out with torch.optim.AdamW: the same parameters after
+    8 steps of warmup and decay, with clipping active and weight decay on the matrices only."""
+    torch.manual_seed(2)
+    gpt = stage.GPT(tiny_config(stage))
+    ref = copy.deepcopy(gpt)
+    tcfg = stage.TrainConfig(epochs=2, lr=5e-3, warmup_steps=3, grad_clip=0.5, eval_every=100)
+    stage.train(gpt, *loaders(stage, learnable_tokens()[:600]), tcfg, "cpu", log=lambda line: None)
+
+    ref_loader, _ = loaders(stage, learnable_tokens()[:600])  # a fresh loader: the same order
+    assert len(ref_loader) == 4
+    opt = torch.optim.AdamW([
+        {"params": [p for p in ref.parameters() if p.dim() == 2], "weight_decay": 0.1},
+        {"params": [p for p in ref.parameters() if p.dim() == 1], "weight_decay": 0.0},
+    ], lr=tcfg.lr, betas=(0.9, 0.95))
+    step, clipped = 0, 0
+    for _ in range(2):
+        for x, y in ref_loader:
+            for group in opt.param_groups:
+                group["lr"] = stage.lr_at(step, tcfg.lr, 3, 8)
+            loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            clipped += torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item() > 0.5
+            opt.step()
+            step += 1
+    assert clipped > 0
+    for (name, a), b in zip(gpt.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_optimizer_decays_matrices_only(stage):
+    model = stage.GPT(tiny_config(stage))
+    opt = stage.make_optimizer(model, 1e-3, 0.1, "cpu")
+    decayed, plain = (group["params"] for group in opt.param_groups)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert {id(p) for p in decayed} == {id(p) for p in model.parameters() if p.dim() == 2}
+    assert {id(p) for p in plain} == {id(p) for p in model.parameters() if p.dim() == 1}
+    assert len(decayed) + len(plain) == len(list(model.parameters()))  # the tied matrix once
+    assert not opt.defaults["fused"]
