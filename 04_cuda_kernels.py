@@ -904,8 +904,8 @@ def kernel_work():
         "vector_add": (f"n={n}", n, 12 * n, "copy"),
         "matmul fp32": (f"{S}^3", 2 * S**3, 3 * 4 * S * S, "fp32"),
         "matmul bf16": (f"{S}^3", 2 * S**3, 3 * 2 * S * S, "bf16"),
-        "reduce_sum": (rc, R * C, 4 * R * C, "copy"),
-        "reduce_max": (rc, R * C, 4 * R * C, "copy"),
+        "reduce_sum": (rc, R * C, 4 * R * C + 4 * R, "copy"),  # one result a row
+        "reduce_max": (rc, R * C, 4 * R * C + 4 * R, "copy"),
         "softmax": (rc, 5 * R * C, 8 * R * C, "copy"),         # max, subtract, exp, sum, scale
         "layer_norm": (rc, 8 * R * C, 8 * R * C + 8 * C, "copy"),
         "gelu": (rc, 10 * R * C, 8 * R * C, "copy"),           # tanh counted as a few FLOPs

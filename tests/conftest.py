@@ -1,9 +1,22 @@
-"""Shared test plumbing.
+"""Shared test plumbing, and the rules every stage's tests keep.
 
 Stages are named `02_gpt.py`, which Python cannot import by name, so `load_stage` loads one by
 path. Tests that need CUDA carry `@pytest.mark.gpu` and are skipped on machines without it. On
 such machines Triton kernels run through its interpreter, which must be switched on before
 triton is first imported.
+
+The rules (a test that cannot fail on the bug it is for is a defect):
+- A test compares with an independent reference: torch in float64, transformers, tiktoken, or
+  arithmetic the test does itself; never the code under test, or a copy of it not proven equal.
+- A kernel test reaches every code path of the kernel: each branch of its launch logic (fused
+  and streamed rows, one and several row blocks per program, masked and whole chunks), and
+  extreme inputs (logits of +-1e4 and -inf, rows of tiny variance), where a missing max
+  subtraction or a misplaced eps shows.
+- Every definition a stage inherits is checked in every stage that carries it: unchanged, by
+  `test_carried_forward.py::test_inherited_definitions_are_copies`; changed, by tests that run
+  that stage's version (listed in that file's CHANGED).
+- Each stage's `main()` runs end to end, and the checks it prints are asserted, not just its
+  exit status.
 """
 import functools
 import importlib.util

@@ -4,6 +4,8 @@ toy training run, the roofline arithmetic, and the script end to end. All on the
 Engine and optimizer comparisons run in float64 on both sides, where the only difference is the
 order of floating-point operations, so they hold to rtol 1e-10 / atol 1e-12.
 """
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -50,6 +52,17 @@ def assert_matches_torch(fn, *shapes, seed=0):
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert a.grad.shape == shapes[i]
         np.testing.assert_allclose(a.grad, b.grad.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"input {i}")
+
+
+def test_relu_gradient_at_zero_is_torchs():
+    """At exactly 0 relu has no derivative; torch (and so our engine) uses 0 there."""
+    x = np.array([-1.0, 0.0, 0.0, 2.0])
+    ours = Tensor(x, requires_grad=True)
+    ours.relu().backward(np.ones(4))
+    ref = torch.tensor(x, requires_grad=True)
+    ref.relu().backward(torch.ones(4))
+    np.testing.assert_array_equal(ours.grad, ref.grad.numpy())
+    np.testing.assert_array_equal(ours.grad, [0.0, 0.0, 0.0, 1.0])
 
 
 CASES = {
@@ -262,6 +275,32 @@ def test_cpu_peak_flops_arithmetic():
     assert peak == pytest.approx(2.5e9 * 64)
     peak, how = m.cpu_peak_flops("", threads=2)
     assert peak == pytest.approx(2 * 3.0e9 * 16) and "assumed" in how
+
+
+def test_flops_per_cycle_needs_fma_for_avx2():
+    """Two FLOPs a lane per cycle need fused multiply-add: AVX2 without FMA is not 32."""
+    assert m.flops_per_cycle(["avx", "avx2", "fma"])[0] == 2 * 8 * 2  # units x lanes x FLOPs
+    assert m.flops_per_cycle(["avx", "avx2"])[0] == 16
+    assert m.flops_per_cycle(["avx512f", "fma"])[0] == 2 * 16 * 2
+
+
+def test_roofline_counts_flops_and_bytes(monkeypatch, capsys):
+    """The roofline's arithmetic against the test's own: with every timing fixed at 0.25 s, an
+    n x n matmul runs 2 n^3 / 0.25 FLOP/s, a copy of B bytes moves 2 B / 0.25 bytes/s, and the
+    roof is min(peak, n / 6 FLOP per byte x bandwidth)."""
+    monkeypatch.setattr(m, "_median_seconds", lambda fn, warmup, repeats: 0.25)
+    monkeypatch.setattr(m, "cpu_peak_flops", lambda: (1e12, "test peak"))
+    assert m.measure_matmul_flops(96) == 2 * 96**3 / 0.25
+    assert m.measure_copy_bandwidth(nbytes=1 << 20) == 2 * (1 << 20) / 0.25
+    m.roofline([600])
+    out = capsys.readouterr().out
+    bandwidth = 2 * 256 * 2**20 / 0.25
+    roof = min(1e12, 600 / 6 * bandwidth)
+    flops = 2 * 600**3 / 0.25
+    assert f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s" in out
+    row = re.search(r"^ +600 +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)%$", out, re.MULTILINE).groups()
+    assert [float(v) for v in row] == pytest.approx(
+        [100.0, round(roof / 1e9), 250.0, round(flops / 1e9, 1), round(100 * flops / roof, 1)])
 
 
 def test_measured_matmul_flops_is_plausible():

@@ -10,6 +10,7 @@ import copy
 import gzip
 import hashlib
 import http.server
+import math
 import random
 import re
 import socket
@@ -454,6 +455,27 @@ def ours(stage, hf):
     cfg = stage.GPTConfig(vocab_size=c.vocab_size, context_length=c.n_positions, n_embd=c.n_embd,
                           n_head=c.n_head, n_layer=c.n_layer)
     return copy_hf_weights(stage.GPT(cfg), hf).eval()
+
+
+def test_gpt2_init_scales(stage):
+    """GPT-2's init: std 0.02 for every weight matrix and embedding, biases 0, layer norms 1 and 0,
+    and 0.02 / sqrt(2 * n_layer) for the two projections per block that write into the residual
+    stream. Measured on a model wide enough that each std is within 2% of its target."""
+    torch.manual_seed(0)
+    cfg = stage.GPTConfig(vocab_size=500, context_length=64, n_embd=192, n_head=4, n_layer=8)
+    model = stage.GPT(cfg)
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight"):
+            assert p.std().item() == pytest.approx(residual_std, rel=0.02), name
+        elif ".ln_" in name or name.startswith("ln_f"):
+            assert torch.equal(p, torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p))
+        elif name.endswith("bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+        else:
+            assert p.std().item() == pytest.approx(0.02, rel=0.02), name
+        if p.dim() == 2:
+            assert p.mean().abs().item() < 0.1 * p.std().item(), name
 
 
 @pytest.mark.parametrize("B, T", [(3, 37), (1, 1), (2, 40)])

@@ -142,6 +142,28 @@ def test_roofline_terms(stage):
     assert stage.roofline_ms(flops, 3 * 2 * 4096**2, "bf16", limits) == pytest.approx((flops / 800e9, 0.025165824))
 
 
+def test_kernel_work_counts_every_byte_once(stage):
+    """The minimum traffic of each kernel, counted here: every input read once, every output
+    written once (float32 = 4 bytes, bf16 = 2)."""
+    n, R, C, S = stage.BENCH_N, stage.BENCH_ROWS, stage.BENCH_COLS, stage.BENCH_MM
+    rows = R * C * 4  # one float32 (R, C) tensor
+    expected = {  # name: (FLOPs, bytes)
+        "vector_add": (n, 3 * n * 4),                        # a + b -> c
+        "matmul fp32": (2 * S**3, 3 * S * S * 4),            # A, B -> C; a multiply and an add
+        "matmul bf16": (2 * S**3, 3 * S * S * 2),
+        "reduce_sum": (R * C, rows + R * 4),                  # x -> one value a row
+        "reduce_max": (R * C, rows + R * 4),
+        "softmax": (5 * R * C, 2 * rows),                     # x -> y
+        "layer_norm": (8 * R * C, 2 * rows + 2 * C * 4),      # x, weight, bias -> y
+        "gelu": (10 * R * C, 2 * rows),
+        "bias_gelu": (11 * R * C, 2 * rows + C * 4),          # x, bias -> y
+    }
+    work = stage.kernel_work()
+    assert work.keys() == expected.keys()
+    for name, (flops, nbytes) in expected.items():
+        assert work[name][1:3] == (flops, nbytes), name
+
+
 def test_summation_order_demo(stage, capsys):
     stage.summation_order_demo(n=1 << 20)
     out = capsys.readouterr().out

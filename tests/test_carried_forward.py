@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from conftest import ROOT, learnable_tokens, load_stage, loaders, tiny_config
+from conftest import ROOT, learnable_tokens, load_stage, loaders, tiny_config, tiny_hf_gpt2
 
 STAGES = ["03_train", "04_cuda_kernels", "05_triton", "06_flash_attention"]
 
@@ -264,6 +264,28 @@ def test_inherited_definitions_are_copies(before, after):
             file, function = test.split("::")
             assert re.search(rf"^def {function}\(", (ROOT / "tests" / file).read_text(),
                              re.MULTILINE), f"{after}.{name}: no test {test}"
+
+
+# -- each stage's GPT against transformers: the reference the kernel tests compare with --------
+
+@pytest.fixture(scope="module")
+def hf_gpt2_dir(tmp_path_factory):
+    hf = tiny_hf_gpt2(seed=3)
+    folder = tmp_path_factory.mktemp("hf_gpt2")
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+@torch.no_grad()
+def test_each_stages_gpt_matches_transformers(stage, hf_gpt2_dir):
+    """05's and 06's kernel tests compare with the stage's own torch GPT: anchor that copy (06
+    changes GPT.forward) to transformers, in float32 and exactly in float64."""
+    hf, folder = hf_gpt2_dir
+    ours = stage.load_gpt2(folder)
+    ids = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(copy.deepcopy(ours).double()(ids),
+                               copy.deepcopy(hf).double()(ids).logits, rtol=0, atol=1e-10)
 
 
 # -- the training loop, in every stage (05 gives train and evaluate a loss argument) ------------
