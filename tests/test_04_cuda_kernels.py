@@ -192,6 +192,20 @@ def test_script_runs_without_a_gpu(stage):
         "--bench times the CUDA kernels: it needs an NVIDIA GPU (--device cuda)"]
 
 
+@pytest.mark.gpu
+def test_script_runs_on_a_gpu():
+    """The GPU path end to end: every self-check line ok, the GPT's logits on the kernels close to
+    torch's, and a labelled generation."""
+    result = subprocess.run([sys.executable, str(ROOT / "04_cuda_kernels.py"), "--max-new-tokens", "5"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checks = re.findall(r"err (\S+)  tol (\S+)  (ok|FAIL)", result.stdout)
+    assert len(checks) > 50 and all(verdict == "ok" for _, _, verdict in checks)
+    err = float(re.search(r"GPT logits on the CUDA kernels vs torch: relative error (\S+)", result.stdout)[1])
+    assert err < 1e-5
+    assert "\ngenerated (5 new tokens, greedy):\nEvery effort moves you" in result.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: every kernel against float64, outputs poisoned with NaN
 # ---------------------------------------------------------------------------------------------
