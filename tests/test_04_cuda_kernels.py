@@ -202,7 +202,7 @@ def test_script_runs_on_a_gpu():
     checks = re.findall(r"err (\S+)  tol (\S+)  (ok|FAIL)", result.stdout)
     assert len(checks) > 50 and all(verdict == "ok" for _, _, verdict in checks)
     err = float(re.search(r"GPT logits on the CUDA kernels vs torch: relative error (\S+)", result.stdout)[1])
-    assert err < 1e-5
+    assert err <= 1e-4  # fp32 kernels against fp32 torch, as test_gpt_logits_on_kernels
     assert "\ngenerated (5 new tokens, greedy):\nEvery effort moves you" in result.stdout
 
 
