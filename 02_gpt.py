@@ -49,192 +49,6 @@ except ImportError:  # Windows
     fcntl = None
 
 # ----------------------------------------------------------------------------------------------
-# Data files: downloaded once into data/, checked by sha256
-# ----------------------------------------------------------------------------------------------
-
-DATA_DIR = Path(__file__).resolve().parent / "data"
-
-# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
-DATA_FILES = {
-    "the-verdict.txt": (
-        "https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch02/"
-        "01_main-chapter-code/the-verdict.txt",
-        "b41e41a68f0398a3154ae69e2e4c0e2694e17fe0d66730536837f1b01935b31f",
-    ),
-    "gpt2.tiktoken": (
-        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
-        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
-    ),
-}
-
-
-class DataError(RuntimeError):
-    """A file the run needs is missing, cannot be downloaded, or is not what it should be. The
-    message names the file and what to do; `main` prints it without a traceback."""
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _server_sha256(response):
-    """The Hugging Face Hub names a large file's sha256 in the X-Linked-Etag header of the
-    redirect it answers with; use it when no checksum is pinned."""
-    for r in [*response.history, response]:
-        etag = r.headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"')
-        if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
-            return etag
-    return None
-
-
-def _check_placed(dest, url, sha256):
-    """A file already in the cache may have been put there by hand: check it like a download."""
-    if not dest.is_file():
-        raise DataError(f"{dest} is not a file; remove it so that {url} can be downloaded there")
-    if sha256 is not None and _sha256(dest) != sha256:
-        raise DataError(f"{dest} ({dest.stat().st_size:,} bytes) is not the expected file: its "
-                        f"sha256 should be {sha256}. Delete it to download it again, or replace "
-                        f"it with the file from {url}")
-
-
-@contextlib.contextmanager
-def _download_lock(dest):
-    """Hold an exclusive lock next to `dest`: a second process fetching the same file waits here
-    instead of appending to the first one's `.part`. (No lock on Windows, which lacks fcntl.)"""
-    if fcntl is None:
-        yield
-        return
-    with open(dest.with_name(dest.name + ".lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"  waiting for another process downloading {dest.name}", file=sys.stderr)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def download(url, dest, sha256=None, timeout=30.0):
-    """Download `url` to `dest` unless it is already there; return the path.
-
-    The bytes go to `dest.part` first and are renamed into place only once complete and
-    checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
-    its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
-    when given, else the checksum the server names, else the announced size. A file already at
-    `dest` is checked against `sha256` too. Failures raise DataError naming the file and URL.
-    """
-    dest = Path(dest)
-    if dest.exists():
-        _check_placed(dest, url, sha256)
-        return dest
-    created = [p for p in reversed(dest.parents) if not p.exists()]
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with _download_lock(dest):
-            if dest.exists():  # another process finished it while we waited
-                _check_placed(dest, url, sha256)
-            else:
-                _fetch(url, dest, sha256, timeout)
-    finally:
-        dest.with_name(dest.name + ".lock").unlink(missing_ok=True)
-        for folder in reversed(created):  # leave no empty folder behind a failed download
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-    return dest
-
-
-def _fetch(url, dest, sha256, timeout):
-    part = dest.with_name(dest.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
-    # identity: a compressed body would not match Content-Length or resume at a byte offset
-    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
-    try:
-        response = requests.get(url, stream=True, timeout=timeout, headers=headers)
-        if have and response.status_code == 416:  # the .part is stale: start over
-            part.unlink()
-            return _fetch(url, dest, sha256, timeout)
-        response.raise_for_status()
-    except requests.HTTPError as e:
-        raise DataError(f"{dest}: missing, and {url} answered {e.response.status_code} "
-                        f"{e.response.reason}") from None
-    except requests.RequestException as e:
-        raise DataError(f"{dest}: missing, and {url} cannot be reached "
-                        f"({type(e).__name__}: no network?)") from None
-    if response.status_code != 206:  # the server ignored the Range header: start over
-        have = 0
-    sha256 = sha256 or _server_sha256(response)
-    remaining = int(response.headers.get("Content-Length", 0))
-    total = have + remaining if remaining else None
-    done, last_print, start = have, 0.0, time.time()
-    try:
-        with open(part, "ab" if have else "wb") as f:
-            for block in response.iter_content(chunk_size=1 << 20):
-                f.write(block)
-                done += len(block)
-                if time.time() - last_print > 0.5 or (total and done == total):
-                    last_print = time.time()
-                    rate = (done - have) / max(last_print - start, 1e-9) / 1e6
-                    of = f"/{total / 1e6:.1f}" if total else ""
-                    print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
-                          end="", file=sys.stderr, flush=True)
-    except requests.RequestException as e:
-        raise DataError(f"download of {url} was interrupted after {done} bytes ({e}); "
-                        f"run again to resume from {part}") from None
-    finally:
-        if done > have:
-            print(file=sys.stderr)  # end the progress line
-    if total is not None and done != total:
-        raise DataError(f"download of {url} stopped at {done} of {total} bytes; "
-                        f"run again to resume from {part}")
-    if sha256 is not None and _sha256(part) != sha256:
-        part.unlink()
-        raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
-                        f"the download was deleted")
-    os.replace(part, dest)  # atomic: the file appears complete or not at all
-
-
-def fetch(files):
-    """Download every (url, dest, sha256) in `files` that is not cached yet; return the paths.
-    Every file that cannot be had is named in one DataError, so an offline user learns the
-    whole list at once rather than one file per run."""
-    paths, problems = [], []
-    for url, dest, sha256 in files:
-        try:
-            paths.append(download(url, dest, sha256))
-        except DataError as e:
-            problems.append(str(e))
-    if problems:
-        raise DataError("\n  ".join([
-            f"{len(problems)} file(s) this run needs cannot be had:", *problems,
-            "Place each at the path shown (fetched from its URL where there is a network), or "
-            "point --data-dir at a folder that holds them."]))
-    return paths
-
-
-def _data_dir(data_dir):
-    folder = Path(data_dir or DATA_DIR)
-    if folder.exists() and not folder.is_dir():
-        raise DataError(f"the data directory {folder} is a file, not a directory")
-    return folder
-
-
-def data_entry(name, data_dir=None):
-    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
-    if name not in DATA_FILES:
-        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
-    url, sha256 = DATA_FILES[name]
-    return url, _data_dir(data_dir) / name, sha256
-
-
-def data_file(name, data_dir=None):
-    """Path of a known data file, downloaded into the cache on first use."""
-    return fetch([data_entry(name, data_dir)])[0]
-
-
-# ----------------------------------------------------------------------------------------------
 # Chapter 4. Text as numbers
 # ----------------------------------------------------------------------------------------------
 
@@ -252,57 +66,10 @@ def data_file(name, data_dir=None):
 # Python's `re` has no \p{L} (letters) or \p{N} (numbers), so we spell them out as code point ranges
 # read from `unicodedata`. To split exactly as tiktoken does (its regex engine is Rust's `regex`
 # crate) two more details matter:
-# - its \s is Unicode White_Space, the 25 characters below; Python's \s adds \x1c-\x1f;
+# - its \s is Unicode White_Space, 25 characters; Python's \s adds \x1c-\x1f;
 # - its tables are Unicode 16.0, newer than the unicodedata of Python 3.11 (14.0) or 3.12 (15.0),
-#   so the letters and numbers assigned by Unicode 15.0-16.0 are listed here and added.
-_WHITE_SPACE = r"\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-_LETTERS_SINCE_14 = (  # (first, last) code points, general category L*, new in Unicode 15.0-16.0
-    (0x1C89, 0x1C8A), (0xA7CB, 0xA7CD), (0xA7DA, 0xA7DC), (0x105C0, 0x105F3), (0x10D4A, 0x10D65),
-    (0x10D6F, 0x10D85), (0x10EC2, 0x10EC4), (0x1123F, 0x11240), (0x11380, 0x11389),
-    (0x1138B, 0x1138B), (0x1138E, 0x1138E), (0x11390, 0x113B5), (0x113B7, 0x113B7),
-    (0x113D1, 0x113D1), (0x113D3, 0x113D3), (0x11BC0, 0x11BE0), (0x11F02, 0x11F02),
-    (0x11F04, 0x11F10), (0x11F12, 0x11F33), (0x1342F, 0x1342F), (0x13441, 0x13446),
-    (0x13460, 0x143FA), (0x16100, 0x1611D), (0x16D40, 0x16D6C), (0x18CFF, 0x18CFF),
-    (0x1B132, 0x1B132), (0x1B155, 0x1B155), (0x1DF25, 0x1DF2A), (0x1E030, 0x1E06D),
-    (0x1E4D0, 0x1E4EB), (0x1E5D0, 0x1E5ED), (0x1E5F0, 0x1E5F0), (0x2B739, 0x2B739),
-    (0x2EBF0, 0x2EE5D), (0x31350, 0x323AF),
-)
-_NUMBERS_SINCE_14 = (  # general category N*, new in Unicode 15.0-16.0
-    (0x10D40, 0x10D49), (0x116D0, 0x116E3), (0x11BF0, 0x11BF9), (0x11F50, 0x11F59),
-    (0x16130, 0x16139), (0x16D70, 0x16D79), (0x1CCF0, 0x1CCF9), (0x1D2C0, 0x1D2D3),
-    (0x1E4F0, 0x1E4F9), (0x1E5F1, 0x1E5FA),
-)
-
-
-@functools.cache
-def _unicode_classes():
-    """Regex class bodies (letters, numbers, white space): tiktoken's \\p{L}, \\p{N}, \\s.
-
-    Scanning all 1.1M code points takes ~0.3 s, so it happens once, on first use.
-    """
-    letters, numbers = set(), set()
-    for cp in range(0x110000):
-        major = unicodedata.category(chr(cp))[0]
-        if major == "L":
-            letters.add(cp)
-        elif major == "N":
-            numbers.add(cp)
-    for table, found in ((_LETTERS_SINCE_14, letters), (_NUMBERS_SINCE_14, numbers)):
-        for first, last in table:
-            found.update(range(first, last + 1))
-
-    def ranges(code_points):  # {65, 66, 67, 97} -> r"\U00000041-\U00000043\U00000061-\U00000061"
-        spans = []
-        for cp in sorted(code_points):
-            if spans and spans[-1][1] == cp - 1:
-                spans[-1][1] = cp
-            else:
-                spans.append([cp, cp])
-        return "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in spans)
-
-    return ranges(letters), ranges(numbers), _WHITE_SPACE
-
-
+#   so the letters and numbers assigned by Unicode 15.0-16.0 are added to it.
+# `_unicode_classes`, with the plumbing at the end of the file, builds these ranges.
 @functools.cache
 def gpt2_split_regex():
     """GPT-2's pre-tokenizer in Python `re`: `.findall(text)` gives the chunks BPE works within."""
@@ -827,6 +594,241 @@ def generate_greedy(model, idx, max_new_tokens):
         next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
         idx = torch.cat([idx, next_id], dim=1)
     return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# Plumbing: data files (downloaded once into data/, checked by sha256) and Unicode tables
+# ----------------------------------------------------------------------------------------------
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
+DATA_FILES = {
+    "the-verdict.txt": (
+        "https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch02/"
+        "01_main-chapter-code/the-verdict.txt",
+        "b41e41a68f0398a3154ae69e2e4c0e2694e17fe0d66730536837f1b01935b31f",
+    ),
+    "gpt2.tiktoken": (
+        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
+        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+    ),
+}
+
+
+class DataError(RuntimeError):
+    """A file the run needs is missing, cannot be downloaded, or is not what it should be. The
+    message names the file and what to do; `main` prints it without a traceback."""
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _server_sha256(response):
+    """The Hugging Face Hub names a large file's sha256 in the X-Linked-Etag header of the
+    redirect it answers with; use it when no checksum is pinned."""
+    for r in [*response.history, response]:
+        etag = r.headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"')
+        if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
+            return etag
+    return None
+
+
+def _check_placed(dest, url, sha256):
+    """A file already in the cache may have been put there by hand: check it like a download."""
+    if not dest.is_file():
+        raise DataError(f"{dest} is not a file; remove it so that {url} can be downloaded there")
+    if sha256 is not None and _sha256(dest) != sha256:
+        raise DataError(f"{dest} ({dest.stat().st_size:,} bytes) is not the expected file: its "
+                        f"sha256 should be {sha256}. Delete it to download it again, or replace "
+                        f"it with the file from {url}")
+
+
+@contextlib.contextmanager
+def _download_lock(dest):
+    """Hold an exclusive lock next to `dest`: a second process fetching the same file waits here
+    instead of appending to the first one's `.part`. (No lock on Windows, which lacks fcntl.)"""
+    if fcntl is None:
+        yield
+        return
+    with open(dest.with_name(dest.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"  waiting for another process downloading {dest.name}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def download(url, dest, sha256=None, timeout=30.0):
+    """Download `url` to `dest` unless it is already there; return the path.
+
+    The bytes go to `dest.part` first and are renamed into place only once complete and
+    checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
+    its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
+    when given, else the checksum the server names, else the announced size. A file already at
+    `dest` is checked against `sha256` too. Failures raise DataError naming the file and URL.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        _check_placed(dest, url, sha256)
+        return dest
+    created = [p for p in reversed(dest.parents) if not p.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _download_lock(dest):
+            if dest.exists():  # another process finished it while we waited
+                _check_placed(dest, url, sha256)
+            else:
+                _fetch(url, dest, sha256, timeout)
+    finally:
+        dest.with_name(dest.name + ".lock").unlink(missing_ok=True)
+        for folder in reversed(created):  # leave no empty folder behind a failed download
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return dest
+
+
+def _fetch(url, dest, sha256, timeout):
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    # identity: a compressed body would not match Content-Length or resume at a byte offset
+    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    try:
+        response = requests.get(url, stream=True, timeout=timeout, headers=headers)
+        if have and response.status_code == 416:  # the .part is stale: start over
+            part.unlink()
+            return _fetch(url, dest, sha256, timeout)
+        response.raise_for_status()
+    except requests.HTTPError as e:
+        raise DataError(f"{dest}: missing, and {url} answered {e.response.status_code} "
+                        f"{e.response.reason}") from None
+    except requests.RequestException as e:
+        raise DataError(f"{dest}: missing, and {url} cannot be reached "
+                        f"({type(e).__name__}: no network?)") from None
+    if response.status_code != 206:  # the server ignored the Range header: start over
+        have = 0
+    sha256 = sha256 or _server_sha256(response)
+    remaining = int(response.headers.get("Content-Length", 0))
+    total = have + remaining if remaining else None
+    done, last_print, start = have, 0.0, time.time()
+    try:
+        with open(part, "ab" if have else "wb") as f:
+            for block in response.iter_content(chunk_size=1 << 20):
+                f.write(block)
+                done += len(block)
+                if time.time() - last_print > 0.5 or (total and done == total):
+                    last_print = time.time()
+                    rate = (done - have) / max(last_print - start, 1e-9) / 1e6
+                    of = f"/{total / 1e6:.1f}" if total else ""
+                    print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
+                          end="", file=sys.stderr, flush=True)
+    except requests.RequestException as e:
+        raise DataError(f"download of {url} was interrupted after {done} bytes ({e}); "
+                        f"run again to resume from {part}") from None
+    finally:
+        if done > have:
+            print(file=sys.stderr)  # end the progress line
+    if total is not None and done != total:
+        raise DataError(f"download of {url} stopped at {done} of {total} bytes; "
+                        f"run again to resume from {part}")
+    if sha256 is not None and _sha256(part) != sha256:
+        part.unlink()
+        raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
+                        f"the download was deleted")
+    os.replace(part, dest)  # atomic: the file appears complete or not at all
+
+
+def fetch(files):
+    """Download every (url, dest, sha256) in `files` that is not cached yet; return the paths.
+    Every file that cannot be had is named in one DataError, so an offline user learns the
+    whole list at once rather than one file per run."""
+    paths, problems = [], []
+    for url, dest, sha256 in files:
+        try:
+            paths.append(download(url, dest, sha256))
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError("\n  ".join([
+            f"{len(problems)} file(s) this run needs cannot be had:", *problems,
+            "Place each at the path shown (fetched from its URL where there is a network), or "
+            "point --data-dir at a folder that holds them."]))
+    return paths
+
+
+def _data_dir(data_dir):
+    folder = Path(data_dir or DATA_DIR)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"the data directory {folder} is a file, not a directory")
+    return folder
+
+
+def data_entry(name, data_dir=None):
+    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
+    if name not in DATA_FILES:
+        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
+    url, sha256 = DATA_FILES[name]
+    return url, _data_dir(data_dir) / name, sha256
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file, downloaded into the cache on first use."""
+    return fetch([data_entry(name, data_dir)])[0]
+
+
+_WHITE_SPACE = r"\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_LETTERS_SINCE_14 = (  # (first, last) code points, general category L*, new in Unicode 15.0-16.0
+    (0x1C89, 0x1C8A), (0xA7CB, 0xA7CD), (0xA7DA, 0xA7DC), (0x105C0, 0x105F3), (0x10D4A, 0x10D65),
+    (0x10D6F, 0x10D85), (0x10EC2, 0x10EC4), (0x1123F, 0x11240), (0x11380, 0x11389),
+    (0x1138B, 0x1138B), (0x1138E, 0x1138E), (0x11390, 0x113B5), (0x113B7, 0x113B7),
+    (0x113D1, 0x113D1), (0x113D3, 0x113D3), (0x11BC0, 0x11BE0), (0x11F02, 0x11F02),
+    (0x11F04, 0x11F10), (0x11F12, 0x11F33), (0x1342F, 0x1342F), (0x13441, 0x13446),
+    (0x13460, 0x143FA), (0x16100, 0x1611D), (0x16D40, 0x16D6C), (0x18CFF, 0x18CFF),
+    (0x1B132, 0x1B132), (0x1B155, 0x1B155), (0x1DF25, 0x1DF2A), (0x1E030, 0x1E06D),
+    (0x1E4D0, 0x1E4EB), (0x1E5D0, 0x1E5ED), (0x1E5F0, 0x1E5F0), (0x2B739, 0x2B739),
+    (0x2EBF0, 0x2EE5D), (0x31350, 0x323AF),
+)
+_NUMBERS_SINCE_14 = (  # general category N*, new in Unicode 15.0-16.0
+    (0x10D40, 0x10D49), (0x116D0, 0x116E3), (0x11BF0, 0x11BF9), (0x11F50, 0x11F59),
+    (0x16130, 0x16139), (0x16D70, 0x16D79), (0x1CCF0, 0x1CCF9), (0x1D2C0, 0x1D2D3),
+    (0x1E4F0, 0x1E4F9), (0x1E5F1, 0x1E5FA),
+)
+
+
+@functools.cache
+def _unicode_classes():
+    """Regex class bodies (letters, numbers, white space): tiktoken's \\p{L}, \\p{N}, \\s.
+
+    Scanning all 1.1M code points takes ~0.3 s, so it happens once, on first use.
+    """
+    letters, numbers = set(), set()
+    for cp in range(0x110000):
+        major = unicodedata.category(chr(cp))[0]
+        if major == "L":
+            letters.add(cp)
+        elif major == "N":
+            numbers.add(cp)
+    for table, found in ((_LETTERS_SINCE_14, letters), (_NUMBERS_SINCE_14, numbers)):
+        for first, last in table:
+            found.update(range(first, last + 1))
+
+    def ranges(code_points):  # {65, 66, 67, 97} -> r"\U00000041-\U00000043\U00000061-\U00000061"
+        spans = []
+        for cp in sorted(code_points):
+            if spans and spans[-1][1] == cp - 1:
+                spans[-1][1] = cp
+            else:
+                spans.append([cp, cp])
+        return "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in spans)
+
+    return ranges(letters), ranges(numbers), _WHITE_SPACE
+
 
 
 # ----------------------------------------------------------------------------------------------

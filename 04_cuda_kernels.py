@@ -56,192 +56,6 @@ except ImportError:  # Windows
     fcntl = None
 
 # ----------------------------------------------------------------------------------------------
-# Data files: downloaded once into data/, checked by sha256
-# ----------------------------------------------------------------------------------------------
-
-DATA_DIR = Path(__file__).resolve().parent / "data"
-
-# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
-DATA_FILES = {
-    "the-verdict.txt": (
-        "https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch02/"
-        "01_main-chapter-code/the-verdict.txt",
-        "b41e41a68f0398a3154ae69e2e4c0e2694e17fe0d66730536837f1b01935b31f",
-    ),
-    "gpt2.tiktoken": (
-        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
-        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
-    ),
-}
-
-
-class DataError(RuntimeError):
-    """A file the run needs is missing, cannot be downloaded, or is not what it should be. The
-    message names the file and what to do; `main` prints it without a traceback."""
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _server_sha256(response):
-    """The Hugging Face Hub names a large file's sha256 in the X-Linked-Etag header of the
-    redirect it answers with; use it when no checksum is pinned."""
-    for r in [*response.history, response]:
-        etag = r.headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"')
-        if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
-            return etag
-    return None
-
-
-def _check_placed(dest, url, sha256):
-    """A file already in the cache may have been put there by hand: check it like a download."""
-    if not dest.is_file():
-        raise DataError(f"{dest} is not a file; remove it so that {url} can be downloaded there")
-    if sha256 is not None and _sha256(dest) != sha256:
-        raise DataError(f"{dest} ({dest.stat().st_size:,} bytes) is not the expected file: its "
-                        f"sha256 should be {sha256}. Delete it to download it again, or replace "
-                        f"it with the file from {url}")
-
-
-@contextlib.contextmanager
-def _download_lock(dest):
-    """Hold an exclusive lock next to `dest`: a second process fetching the same file waits here
-    instead of appending to the first one's `.part`. (No lock on Windows, which lacks fcntl.)"""
-    if fcntl is None:
-        yield
-        return
-    with open(dest.with_name(dest.name + ".lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"  waiting for another process downloading {dest.name}", file=sys.stderr)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def download(url, dest, sha256=None, timeout=30.0):
-    """Download `url` to `dest` unless it is already there; return the path.
-
-    The bytes go to `dest.part` first and are renamed into place only once complete and
-    checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
-    its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
-    when given, else the checksum the server names, else the announced size. A file already at
-    `dest` is checked against `sha256` too. Failures raise DataError naming the file and URL.
-    """
-    dest = Path(dest)
-    if dest.exists():
-        _check_placed(dest, url, sha256)
-        return dest
-    created = [p for p in reversed(dest.parents) if not p.exists()]
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with _download_lock(dest):
-            if dest.exists():  # another process finished it while we waited
-                _check_placed(dest, url, sha256)
-            else:
-                _fetch(url, dest, sha256, timeout)
-    finally:
-        dest.with_name(dest.name + ".lock").unlink(missing_ok=True)
-        for folder in reversed(created):  # leave no empty folder behind a failed download
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-    return dest
-
-
-def _fetch(url, dest, sha256, timeout):
-    part = dest.with_name(dest.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
-    # identity: a compressed body would not match Content-Length or resume at a byte offset
-    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
-    try:
-        response = requests.get(url, stream=True, timeout=timeout, headers=headers)
-        if have and response.status_code == 416:  # the .part is stale: start over
-            part.unlink()
-            return _fetch(url, dest, sha256, timeout)
-        response.raise_for_status()
-    except requests.HTTPError as e:
-        raise DataError(f"{dest}: missing, and {url} answered {e.response.status_code} "
-                        f"{e.response.reason}") from None
-    except requests.RequestException as e:
-        raise DataError(f"{dest}: missing, and {url} cannot be reached "
-                        f"({type(e).__name__}: no network?)") from None
-    if response.status_code != 206:  # the server ignored the Range header: start over
-        have = 0
-    sha256 = sha256 or _server_sha256(response)
-    remaining = int(response.headers.get("Content-Length", 0))
-    total = have + remaining if remaining else None
-    done, last_print, start = have, 0.0, time.time()
-    try:
-        with open(part, "ab" if have else "wb") as f:
-            for block in response.iter_content(chunk_size=1 << 20):
-                f.write(block)
-                done += len(block)
-                if time.time() - last_print > 0.5 or (total and done == total):
-                    last_print = time.time()
-                    rate = (done - have) / max(last_print - start, 1e-9) / 1e6
-                    of = f"/{total / 1e6:.1f}" if total else ""
-                    print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
-                          end="", file=sys.stderr, flush=True)
-    except requests.RequestException as e:
-        raise DataError(f"download of {url} was interrupted after {done} bytes ({e}); "
-                        f"run again to resume from {part}") from None
-    finally:
-        if done > have:
-            print(file=sys.stderr)  # end the progress line
-    if total is not None and done != total:
-        raise DataError(f"download of {url} stopped at {done} of {total} bytes; "
-                        f"run again to resume from {part}")
-    if sha256 is not None and _sha256(part) != sha256:
-        part.unlink()
-        raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
-                        f"the download was deleted")
-    os.replace(part, dest)  # atomic: the file appears complete or not at all
-
-
-def fetch(files):
-    """Download every (url, dest, sha256) in `files` that is not cached yet; return the paths.
-    Every file that cannot be had is named in one DataError, so an offline user learns the
-    whole list at once rather than one file per run."""
-    paths, problems = [], []
-    for url, dest, sha256 in files:
-        try:
-            paths.append(download(url, dest, sha256))
-        except DataError as e:
-            problems.append(str(e))
-    if problems:
-        raise DataError("\n  ".join([
-            f"{len(problems)} file(s) this run needs cannot be had:", *problems,
-            "Place each at the path shown (fetched from its URL where there is a network), or "
-            "point --data-dir at a folder that holds them."]))
-    return paths
-
-
-def _data_dir(data_dir):
-    folder = Path(data_dir or DATA_DIR)
-    if folder.exists() and not folder.is_dir():
-        raise DataError(f"the data directory {folder} is a file, not a directory")
-    return folder
-
-
-def data_entry(name, data_dir=None):
-    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
-    if name not in DATA_FILES:
-        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
-    url, sha256 = DATA_FILES[name]
-    return url, _data_dir(data_dir) / name, sha256
-
-
-def data_file(name, data_dir=None):
-    """Path of a known data file, downloaded into the cache on first use."""
-    return fetch([data_entry(name, data_dir)])[0]
-
-
-# ----------------------------------------------------------------------------------------------
 # Chapter 4. Text as numbers
 # ----------------------------------------------------------------------------------------------
 
@@ -2706,6 +2520,192 @@ def kernel_chapter(run_bench=False):
     if run_bench:
         bench_kernels()
     return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Plumbing: data files, downloaded once into data/ and checked by sha256
+# ----------------------------------------------------------------------------------------------
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
+DATA_FILES = {
+    "the-verdict.txt": (
+        "https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch02/"
+        "01_main-chapter-code/the-verdict.txt",
+        "b41e41a68f0398a3154ae69e2e4c0e2694e17fe0d66730536837f1b01935b31f",
+    ),
+    "gpt2.tiktoken": (
+        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
+        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+    ),
+}
+
+
+class DataError(RuntimeError):
+    """A file the run needs is missing, cannot be downloaded, or is not what it should be. The
+    message names the file and what to do; `main` prints it without a traceback."""
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _server_sha256(response):
+    """The Hugging Face Hub names a large file's sha256 in the X-Linked-Etag header of the
+    redirect it answers with; use it when no checksum is pinned."""
+    for r in [*response.history, response]:
+        etag = r.headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"')
+        if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
+            return etag
+    return None
+
+
+def _check_placed(dest, url, sha256):
+    """A file already in the cache may have been put there by hand: check it like a download."""
+    if not dest.is_file():
+        raise DataError(f"{dest} is not a file; remove it so that {url} can be downloaded there")
+    if sha256 is not None and _sha256(dest) != sha256:
+        raise DataError(f"{dest} ({dest.stat().st_size:,} bytes) is not the expected file: its "
+                        f"sha256 should be {sha256}. Delete it to download it again, or replace "
+                        f"it with the file from {url}")
+
+
+@contextlib.contextmanager
+def _download_lock(dest):
+    """Hold an exclusive lock next to `dest`: a second process fetching the same file waits here
+    instead of appending to the first one's `.part`. (No lock on Windows, which lacks fcntl.)"""
+    if fcntl is None:
+        yield
+        return
+    with open(dest.with_name(dest.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"  waiting for another process downloading {dest.name}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def download(url, dest, sha256=None, timeout=30.0):
+    """Download `url` to `dest` unless it is already there; return the path.
+
+    The bytes go to `dest.part` first and are renamed into place only once complete and
+    checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
+    its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
+    when given, else the checksum the server names, else the announced size. A file already at
+    `dest` is checked against `sha256` too. Failures raise DataError naming the file and URL.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        _check_placed(dest, url, sha256)
+        return dest
+    created = [p for p in reversed(dest.parents) if not p.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _download_lock(dest):
+            if dest.exists():  # another process finished it while we waited
+                _check_placed(dest, url, sha256)
+            else:
+                _fetch(url, dest, sha256, timeout)
+    finally:
+        dest.with_name(dest.name + ".lock").unlink(missing_ok=True)
+        for folder in reversed(created):  # leave no empty folder behind a failed download
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return dest
+
+
+def _fetch(url, dest, sha256, timeout):
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    # identity: a compressed body would not match Content-Length or resume at a byte offset
+    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    try:
+        response = requests.get(url, stream=True, timeout=timeout, headers=headers)
+        if have and response.status_code == 416:  # the .part is stale: start over
+            part.unlink()
+            return _fetch(url, dest, sha256, timeout)
+        response.raise_for_status()
+    except requests.HTTPError as e:
+        raise DataError(f"{dest}: missing, and {url} answered {e.response.status_code} "
+                        f"{e.response.reason}") from None
+    except requests.RequestException as e:
+        raise DataError(f"{dest}: missing, and {url} cannot be reached "
+                        f"({type(e).__name__}: no network?)") from None
+    if response.status_code != 206:  # the server ignored the Range header: start over
+        have = 0
+    sha256 = sha256 or _server_sha256(response)
+    remaining = int(response.headers.get("Content-Length", 0))
+    total = have + remaining if remaining else None
+    done, last_print, start = have, 0.0, time.time()
+    try:
+        with open(part, "ab" if have else "wb") as f:
+            for block in response.iter_content(chunk_size=1 << 20):
+                f.write(block)
+                done += len(block)
+                if time.time() - last_print > 0.5 or (total and done == total):
+                    last_print = time.time()
+                    rate = (done - have) / max(last_print - start, 1e-9) / 1e6
+                    of = f"/{total / 1e6:.1f}" if total else ""
+                    print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
+                          end="", file=sys.stderr, flush=True)
+    except requests.RequestException as e:
+        raise DataError(f"download of {url} was interrupted after {done} bytes ({e}); "
+                        f"run again to resume from {part}") from None
+    finally:
+        if done > have:
+            print(file=sys.stderr)  # end the progress line
+    if total is not None and done != total:
+        raise DataError(f"download of {url} stopped at {done} of {total} bytes; "
+                        f"run again to resume from {part}")
+    if sha256 is not None and _sha256(part) != sha256:
+        part.unlink()
+        raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
+                        f"the download was deleted")
+    os.replace(part, dest)  # atomic: the file appears complete or not at all
+
+
+def fetch(files):
+    """Download every (url, dest, sha256) in `files` that is not cached yet; return the paths.
+    Every file that cannot be had is named in one DataError, so an offline user learns the
+    whole list at once rather than one file per run."""
+    paths, problems = [], []
+    for url, dest, sha256 in files:
+        try:
+            paths.append(download(url, dest, sha256))
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError("\n  ".join([
+            f"{len(problems)} file(s) this run needs cannot be had:", *problems,
+            "Place each at the path shown (fetched from its URL where there is a network), or "
+            "point --data-dir at a folder that holds them."]))
+    return paths
+
+
+def _data_dir(data_dir):
+    folder = Path(data_dir or DATA_DIR)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"the data directory {folder} is a file, not a directory")
+    return folder
+
+
+def data_entry(name, data_dir=None):
+    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
+    if name not in DATA_FILES:
+        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
+    url, sha256 = DATA_FILES[name]
+    return url, _data_dir(data_dir) / name, sha256
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file, downloaded into the cache on first use."""
+    return fetch([data_entry(name, data_dir)])[0]
 
 
 # ----------------------------------------------------------------------------------------------
