@@ -114,14 +114,9 @@ class BPETokenizer:
         return len(self.vocab)
 
     # ---- training -------------------------------------------------------------------------------
-    @classmethod
-    def train(cls, text, vocab_size, special_tokens=("<|endoftext|>",), verbose=False):
-        """Learn `vocab_size - 256 - len(special_tokens)` merges from `text` and return a tokenizer.
-
-        Chunks are counted once (`Counter` of pre-tokenized chunks) and pairs are counted weighted
-        by chunk frequency. After each merge only the chunks containing the merged pair are
-        updated, and a heap finds the next most frequent pair; ties go to the pair of smaller ids.
-        """
+    @staticmethod
+    def _chunks(text, vocab_size, special_tokens):
+        """The text's chunks, counted: {chunk: occurrences}, and the number of merges to learn."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         n_merges = vocab_size - 256 - len(special_tokens)
@@ -133,7 +128,54 @@ class BPETokenizer:
         if special_tokens:
             pieces = re.split("|".join(map(re.escape, special_tokens)), text)
         split = gpt2_split_regex()
-        chunk_counts = collections.Counter(c for piece in pieces for c in split.findall(piece))
+        return collections.Counter(c for piece in pieces for c in split.findall(piece)), n_merges
+
+    @classmethod
+    def train_simple(cls, text, vocab_size, special_tokens=("<|endoftext|>",)):
+        """BPE training in its plainest form: count every adjacent pair of ids in the text, merge
+        the most frequent one everywhere into a new id (ties: the pair of smaller ids), repeat.
+        Each merge recounts the whole text; `train` below learns the same merges faster."""
+        chunk_counts, n_merges = cls._chunks(text, vocab_size, special_tokens)
+        words = {tuple(chunk.encode("utf-8")): n for chunk, n in chunk_counts.items()}
+        token_bytes = [bytes([b]) for b in range(256)]  # id -> bytes
+        ranks = {b: i for i, b in enumerate(token_bytes)}
+        while len(token_bytes) < 256 + n_merges:
+            pair_counts = collections.Counter()
+            for word, n in words.items():
+                for pair in zip(word, word[1:]):
+                    pair_counts[pair] += n
+            if not pair_counts:
+                raise ValueError(f"text too short: no pairs left after {len(token_bytes) - 256} "
+                                 f"of {n_merges} merges")
+            pair = min(pair_counts, key=lambda p: (-pair_counts[p], p))
+            new_bytes = token_bytes[pair[0]] + token_bytes[pair[1]]
+            if new_bytes not in ranks:  # two pairs may spell the same bytes ("a"+"bc", "ab"+"c")
+                ranks[new_bytes] = len(token_bytes)
+                token_bytes.append(new_bytes)
+            merged = collections.Counter()
+            for word, n in words.items():
+                out, i = [], 0
+                while i < len(word):
+                    if word[i:i + 2] == pair:
+                        out.append(ranks[new_bytes])
+                        i += 2
+                    else:
+                        out.append(word[i])
+                        i += 1
+                merged[tuple(out)] += n
+            words = merged
+        return cls(ranks, {s: len(ranks) + k for k, s in enumerate(special_tokens)})
+
+    @classmethod
+    def train(cls, text, vocab_size, special_tokens=("<|endoftext|>",), verbose=False):
+        """The merges of `train_simple`, learned without recounting the text after every merge.
+
+        Chunks are counted once and pairs weighted by chunk frequency, as there; in addition an
+        index from each pair to the chunks that contain it means a merge updates only those
+        chunks and the pair counts they change, and a heap finds the next most frequent pair
+        (stale entries, whose count has changed since, are skipped when popped).
+        """
+        chunk_counts, n_merges = cls._chunks(text, vocab_size, special_tokens)
         words = [list(chunk.encode("utf-8")) for chunk in chunk_counts]  # each chunk as token ids
         freqs = list(chunk_counts.values())
 
@@ -853,11 +895,16 @@ def main():
     print("== 4. Text as numbers ==")
     text = story.read_text(encoding="utf-8")
     t0 = time.time()
+    simple = BPETokenizer.train_simple(text, args.vocab)
+    t1 = time.time()
     bpe = BPETokenizer.train(text, args.vocab)
+    t2 = time.time()
     ids = bpe.encode(text)
-    print(f"BPE trained on The Verdict ({len(text):,} chars) to {args.vocab} tokens in "
-          f"{time.time() - t0:.1f}s: {len(ids):,} tokens, {len(text.encode()) / len(ids):.2f} "
-          f"bytes/token; round trip exact: {bpe.decode(ids) == text}")
+    print(f"BPE trained on The Verdict ({len(text):,} chars) to {args.vocab} tokens: the plain "
+          f"algorithm in {t1 - t0:.2f}s, the incremental one in {t2 - t1:.2f}s, same merges: "
+          f"{simple.ranks == bpe.ranks}")
+    print(f"  {len(ids):,} tokens, {len(text.encode()) / len(ids):.2f} bytes/token; round trip "
+          f"exact: {bpe.decode(ids) == text}")
     ours = BPETokenizer.gpt2(data_dir=args.data_dir)
     ref = gpt2_tokenizer(args.data_dir)
     sample = "Hello, world! It's 2024 -- naïve café 😀\n\n   <|endoftext|> next"

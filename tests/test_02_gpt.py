@@ -185,6 +185,19 @@ def ascii_chunks(text):
     return re.findall(pattern, text)
 
 
+@pytest.mark.parametrize("text, vocab", [
+    ("VERDICT", 400),
+    ("aaabdaaabac aaab<|endoftext|>aab abab\n\n ba" * 3, 270),  # ties, a special token
+    (" ".join("".join(random.Random(k).choices("ab\u00e9\U0001f600", k=1 + k % 9))
+              for k in range(800)), 330),  # multi-byte characters
+])
+def test_train_equals_train_simple(stage, verdict, text, vocab):
+    """The incremental trainer learns exactly the merges of the plain one it speeds up."""
+    text = verdict if text == "VERDICT" else text
+    assert stage.BPETokenizer.train(text, vocab).ranks == stage.BPETokenizer.train_simple(
+        text, vocab).ranks
+
+
 def test_train_matches_brute_force(trained, verdict):
     """The first 40 merges equal a brute-force trainer that recounts every adjacent pair in every
     chunk occurrence before each merge (ties to the smaller pair of ids, as documented)."""
@@ -801,7 +814,8 @@ def test_main_runs_end_to_end(stage, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["02_gpt.py", "--size", "124M", "--vocab", "300"])
     stage.main()
     out = capsys.readouterr().out
-    for check in ("round trip exact: True", "equals tiktoken: True", "whole story equal: True",
+    for check in ("same merges: True", "round trip exact: True", "equals tiktoken: True",
+                  "whole story equal: True",
                   "124.4M parameters", "greedy continuation of 'Hello, I am'"):
         assert check in out
 
