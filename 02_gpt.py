@@ -1,7 +1,8 @@
 """Stage 02: from text to a GPT (book chapters 4-6).
 
 What this stage teaches
-    4. Text as numbers: byte-level BPE written from scratch (`BPETokenizer`: train, encode,
+    4. Text as numbers: byte-level BPE written from scratch (`BPETokenizer`: `train_simple`, the
+       plain algorithm, then `train`, the same merges learned incrementally; encode,
        decode, and `BPETokenizer.gpt2()`, which encodes exactly as tiktoken's GPT-2 encoding);
        `gpt2_tokenizer()`, the same vocabulary through tiktoken; a sliding-window dataset.
     5. Attention, built up as the book does: plain self-attention, then trainable weights, then

@@ -2420,7 +2420,7 @@ class CudaAttention(MultiHeadAttention):
         T = q.size(2)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))      # (B, H, T, T)
         att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
-        att = softmax(att)                                            # changed: the CUDA kernel
+        att = softmax(att)                                    # changed in 04: the CUDA kernel
         return self.attn_dropout(att) @ v                             # (B, H, T, D)
 
 

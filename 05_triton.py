@@ -14,7 +14,8 @@ New since stage 04: the Triton kernels take the slots of stage 04's CUDA kernels
 layer_norm, gelu, matmul), with rms_norm, swiglu and cross_entropy added. Changed: `train` and
 `evaluate` take the loss function as an argument; stage 03's training bench gains a row for the
 Triton kernels. Dropped: stage 04's CUDA kernels, roofline helpers and csrc/ counterparts (the
-kernel chapter lives on in 04_cuda_kernels.py).
+kernel chapter lives on in 04_cuda_kernels.py). Since 04's chapter is dropped, read this stage's
+lesson as `diff 03_train.py 05_triton.py`.
 
 Run
     python 05_triton.py                         # kernels vs torch in float64, GPT on the kernels
@@ -326,7 +327,7 @@ def autocast(device):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, max_batches=None, loss=loss_fn):  # changed: loss argument
+def evaluate(model, loader, device, max_batches=None, loss=loss_fn):  # changed in 05: loss
     """Mean loss over (at most max_batches of) a loader, with dropout off."""
     was_training = model.training
     model.eval()
@@ -397,7 +398,7 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r} is out of range")
 
 
-def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn):  # changed
+def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn):  # changed in 05
     """Train for tcfg.epochs; log and record (step, train loss, val loss) every eval_every steps.
     Returns the history as a list of dicts."""
     opt = make_optimizer(model, tcfg.lr, tcfg.weight_decay, device)
@@ -416,7 +417,7 @@ def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn
                 group["lr"] = lr
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device):
-                step_loss = loss(model(x), y)  # changed: the loss argument
+                step_loss = loss(model(x), y)  # changed in 05: the loss argument
             opt.zero_grad(set_to_none=True)
             step_loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
@@ -2137,7 +2138,7 @@ def bench(args, device):
     print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
           f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
     rows = []
-    for mode in ("eager", "torch.compile", "triton kernels"):  # changed: a row for stage 05
+    for mode in ("eager", "torch.compile", "triton kernels"):  # changed in 05: a Triton row
         torch.manual_seed(args.seed)
         model = GPT(build_config(preset, T, 0.0)).to(device)
         step_model = torch.compile(model) if mode == "torch.compile" else model

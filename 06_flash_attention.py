@@ -13,8 +13,12 @@ What this stage teaches
 New since stage 05: chapter 15, `--attention`, `use_attention` / `use_flash_attention`, and
 `attention_chapter`, which the default run prints after stage 05's kernel check: the online
 softmax of one row block by block, the naive, tiled and flash attentions' errors against a
-float64 reference, and the bytes of the score matrix against what the flash forward keeps.
-Changed: `--bench` prints the attention table (forward and backward TFLOP/s against torch's
+float64 reference, and the bytes of the score matrix against what the flash forward keeps;
+`cuda_graph_step`, which captures a whole training step (forward, backward, clipping, AdamW) in
+a CUDA graph and replays it, taking Python's launch cost out of the loop.
+Changed: `GPT.forward` and `cross_entropy` skip their token-range checks while a CUDA graph is
+captured (a check reads a value back from the GPU, which a capture cannot do); `make_optimizer`
+takes `capturable` for the same graph; `--bench` prints the attention table (forward and backward TFLOP/s against torch's
 SDPA and the naive version, peak memory), then GPT-2 124M training throughput on the stage's
 kernels against torch eager and torch.compile with SDPA; stage 05's kernel table is
 `--bench-kernels`.
@@ -295,7 +299,8 @@ class GPT(nn.Module):
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} exceeds the context length "
                              f"{self.cfg.context_length}")
-        # the range check reads back from the GPU, which a CUDA graph capture cannot do
+        # changed in 06: the range check reads back from the GPU, which a CUDA graph capture
+        # cannot do, so it is skipped while one is captured (cuda_graph_step)
         capturing = idx.is_cuda and torch.cuda.is_current_stream_capturing()
         if idx.numel() and not capturing and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
@@ -333,7 +338,7 @@ def autocast(device):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, max_batches=None, loss=loss_fn):  # changed: loss argument
+def evaluate(model, loader, device, max_batches=None, loss=loss_fn):
     """Mean loss over (at most max_batches of) a loader, with dropout off."""
     was_training = model.training
     model.eval()
@@ -356,7 +361,7 @@ def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio=0.1):
     return max_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model, lr, weight_decay, device, capturable=False):  # changed: capturable
+def make_optimizer(model, lr, weight_decay, device, capturable=False):  # changed in 06
     """AdamW with weight decay on the matrices only (decaying biases and norm gains only hurts).
     On a GPU the fused implementation updates every parameter in one kernel launch; capturable
     keeps its step count on the GPU, so that a CUDA graph can replay the update (cuda_graph_step)."""
@@ -405,7 +410,7 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r} is out of range")
 
 
-def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn):  # changed
+def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn):
     """Train for tcfg.epochs; log and record (step, train loss, val loss) every eval_every steps.
     Returns the history as a list of dicts."""
     opt = make_optimizer(model, tcfg.lr, tcfg.weight_decay, device)
@@ -424,7 +429,7 @@ def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn
                 group["lr"] = lr
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device):
-                step_loss = loss(model(x), y)  # changed: the loss argument
+                step_loss = loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             step_loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
@@ -636,7 +641,7 @@ def load_gpt2(path_or_size, device="cpu", data_dir=None):
 # Chapter 14. Triton
 # ----------------------------------------------------------------------------------------------
 
-# NEW in stage 05: Triton kernels. Legend for this section: a "row" kernel sees its input as
+# Triton kernels. Legend for this section: a "row" kernel sees its input as
 # (rows, N), N the last dimension; matmul shapes are A (M, K) @ B (K, N) = C (M, N); cross-entropy
 # sees logits (rows, V), V the vocabulary.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -1691,7 +1696,8 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     _check("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
            contiguous=False)
     vocab = logits.shape[-1]
-    capturing = targets.is_cuda and torch.cuda.is_current_stream_capturing()  # no read-back in a capture
+    # changed in 06: no read-back of the check while a CUDA graph is captured (cuda_graph_step)
+    capturing = targets.is_cuda and torch.cuda.is_current_stream_capturing()
     if not capturing and (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():
         raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index ({ignore_index})")
     rows = logits.reshape(-1, vocab)  # a view where the layout allows, else a copy
@@ -3016,7 +3022,7 @@ def bench(args, device):
     print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
           f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
     rows = []
-    modes = ["eager + SDPA", "torch.compile + SDPA", "triton + flash"]  # changed: stage 06
+    modes = ["eager + SDPA", "torch.compile + SDPA", "triton + flash"]  # changed in 06
     if device.type == "cuda":
         modes.append("triton + flash, graph")
     for mode in modes:

@@ -237,17 +237,35 @@ CHANGED = {
 }
 
 
+MARKER = re.compile(r"# (?:changed in|NEW in stage) (\d\d)\b")
+
+
 def top_level_definitions(stage_name):
-    """name -> source text of each function, class and assignment at the top of a stage file."""
+    """name -> source text of each function, class and assignment at the top of a stage file,
+    without its change markers (`# changed in 05: ...`), which only the stage that made the
+    change carries."""
     source = (ROOT / f"{stage_name}.py").read_text()
     found = {}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            found[node.name] = ast.get_source_segment(source, node)
+            name = node.name
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
                 node.targets[0], ast.Name):
-            found[node.targets[0].id] = ast.get_source_segment(source, node)
+            name = node.targets[0].id
+        else:
+            continue
+        lines = ast.get_source_segment(source, node).splitlines()
+        lines = [line[:m.start()].rstrip() if (m := MARKER.search(line)) else line for line in lines]
+        found[name] = "\n".join(line for line in lines if line.strip() or not lines)
     return found
+
+
+@pytest.mark.parametrize("stage_name", CHAIN)
+def test_change_markers_name_their_own_stage(stage_name):
+    """A marker says which stage made the change; copied forward, the next stage drops it."""
+    source = (ROOT / f"{stage_name}.py").read_text()
+    assert {m[1] for m in MARKER.finditer(source)} <= {stage_name[:2]}
+    assert not re.search(r"# changed(?! in \d\d)\b", source), "an unnumbered change marker"
 
 
 @pytest.mark.parametrize("before, after", list(zip(CHAIN, CHAIN[1:])))
