@@ -10,7 +10,8 @@ What this stage teaches
         FlashAttention-2 backward (dq, dk, dv) behind a torch.autograd.Function.
     The GPT trains and generates with it (`--attention flash`, the default).
 
-New since stage 05: chapter 15, `--attention`, `use_attention` / `use_flash_attention`, and
+New since stage 05: chapter 15, `--attention`, the twins `FlashAttention` and `SDPAAttention`
+with `use_attention` / `use_flash_attention`, and
 `attention_chapter`, which the default run prints after stage 05's kernel check: the online
 softmax of one row block by block, the naive, tiled and flash attentions' errors against a
 float64 reference, and the bytes of the score matrix against what the flash forward keeps;
@@ -41,7 +42,6 @@ import os
 import statistics
 import sys
 import time
-import types
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -2560,33 +2560,36 @@ def flash_attention(q, k, v, causal=True, sm_scale=None):
     return _flash_attention(q, k, v, causal, sm_scale)[0]
 
 
-# The GPT on the kernel (main's --attention flash).
-def attend_flash(self, q, k, v):
-    """MultiHeadAttention.attend on the flash kernel: q, k, v (B, H, T, D) -> (B, H, T, D).
-    The kernel never forms the attention matrix, so it has nothing to apply dropout to."""
-    if self.training and self.attn_dropout.p > 0:
-        raise ValueError("attend_flash: the flash kernel has no attention dropout; "
-                         "set dropout=0.0 or call model.eval()")
-    return flash_attention(q, k, v, causal=True)
+# The GPT on the kernel (main's --attention flash): two more twins of MultiHeadAttention, swapped
+# in by class as stage 05's use_triton_kernels does, so the model's text stays as it was.
+class FlashAttention(MultiHeadAttention):
+    def attend(self, q, k, v):
+        """attend on the flash kernel: q, k, v (B, H, T, D) -> (B, H, T, D). The kernel never
+        forms the attention matrix, so it has nothing to apply dropout to."""
+        if self.training and self.attn_dropout.p > 0:
+            raise ValueError("FlashAttention: the flash kernel has no attention dropout; "
+                             "set dropout=0.0 or call model.eval()")
+        return flash_attention(q, k, v, causal=True)
 
 
-def attend_sdpa(self, q, k, v):
-    """MultiHeadAttention.attend on torch's fused scaled_dot_product_attention: the baseline."""
-    p = self.attn_dropout.p if self.training else 0.0
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+class SDPAAttention(MultiHeadAttention):
+    def attend(self, q, k, v):
+        """attend on torch's fused scaled_dot_product_attention: the baseline."""
+        p = self.attn_dropout.p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
-def use_attention(model, attend):
-    """Point every MultiHeadAttention's attend at `attend` (attend_flash, attend_sdpa), in place;
-    returns the model."""
+def use_attention(model, twin):
+    """Switch every attention of `model` (a MultiHeadAttention or one of its twins, stage 05's
+    TritonAttention included) to `twin` (FlashAttention, SDPAAttention), in place."""
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
-            module.attend = types.MethodType(attend, module)
+            module.__class__ = twin
     return model
 
 
 def use_flash_attention(model):
-    return use_attention(model, attend_flash)
+    return use_attention(model, FlashAttention)
 
 
 # The chapter on one small case, main's default run: the online softmax of one row, the three
@@ -3034,7 +3037,7 @@ def bench(args, device):
         if ours:
             use_flash_attention(use_triton_kernels(model))
         else:
-            use_attention(model, attend_sdpa)
+            use_attention(model, SDPAAttention)
         graphed = mode.endswith("graph")
         opt = make_optimizer(model, 1e-4, 0.1, device, capturable=graphed)
         x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), device=device)
