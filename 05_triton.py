@@ -1549,11 +1549,15 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, activation):  # a (M, K), b (K, N), bias (N,) or None
-        out = _empty_aligned_rows(a.shape[0], b.shape[1], a)
+    def forward(ctx, a, b, bias, activation, pad_rows):  # a (M, K), b (K, N), bias (N,) or None
+        M, N = a.shape[0], b.shape[1]
+        out = _empty_aligned_rows(M, N, a) if pad_rows else a.new_empty(M, N)
         gelu_epilogue = activation == "gelu"
-        # the GELU backward needs its input: keep it (written by the same epilogue) only if training
-        pre = _empty_aligned_rows(*out.shape, a) if gelu_epilogue and any(ctx.needs_input_grad[:3]) else None
+        # the GELU backward needs its input: keep it (written by the same epilogue, so in out's
+        # layout) only if training
+        pre = None
+        if gelu_epilogue and any(ctx.needs_input_grad[:3]):
+            pre = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
         _mm(a, b, out, bias, pre, gelu_epilogue)
         ctx.save_for_backward(a, b, pre)
         ctx.has_bias = bias is not None
@@ -1572,14 +1576,15 @@ class _Matmul(torch.autograd.Function):
             db = _mm(a.t(), dh, torch.empty_like(b))  # (K, N)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = _column_sum(dh, dh.dtype)
-        return da, db, dbias, None
+        return da, db, dbias, None, None
 
 
-def matmul(a, b, bias=None, activation=None):
-    """a (..., K) @ b (K, N) [+ bias (N,)], then activation None or "gelu": (..., N) in a's dtype.
-    fp32 accumulation; any strides (b may be a weight's .t()). Under torch.autocast the inputs are
-    cast to the autocast dtype first, as autocast does for F.linear. Where N values are not a whole
-    number of 16-byte units, the result is a view with padded rows (see _empty_aligned_rows)."""
+def matmul(a, b, bias=None, activation=None, pad_rows=False):
+    """a (..., K) @ b (K, N) [+ bias (N,)], then activation None or "gelu": (..., N) in a's dtype,
+    contiguous. fp32 accumulation; any strides (b may be a weight's .t()). Under torch.autocast the
+    inputs are cast to the autocast dtype first, as autocast does for F.linear. pad_rows: where N
+    values are not a whole number of 16-byte units, return instead a (..., N) view of rows padded
+    to them (see _empty_aligned_rows), which keeps the backward on the TMA kernel."""
     if activation not in (None, "gelu"):
         raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
     _check("a", a, contiguous=False)
@@ -1597,7 +1602,7 @@ def matmul(a, b, bias=None, activation=None):
     if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
         raise TypeError(f"a, b and bias must share a dtype; got {a.dtype}, {b.dtype}"
                         + ("" if bias is None else f", {bias.dtype}"))
-    out = _Matmul.apply(a.reshape(-1, a.shape[-1]), b, bias, activation)
+    out = _Matmul.apply(a.reshape(-1, a.shape[-1]), b, bias, activation, pad_rows)
     return out.view(*a.shape[:-1], b.shape[1])
 
 
@@ -1711,7 +1716,8 @@ class TritonGELU(GELU):
 
 class TritonLinear(nn.Linear):
     def forward(self, x):
-        return matmul(x, self.weight.t(), self.bias)
+        # padded rows: lm_head's 50,257 logits a row then keep its backward on the TMA kernel
+        return matmul(x, self.weight.t(), self.bias, pad_rows=True)
 
 
 class TritonMLP(MLP):

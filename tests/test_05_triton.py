@@ -267,14 +267,17 @@ def test_matmul_tma_candidates(s):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_pads_unaligned_rows(s, gen, dtype):
-    # 47 values a row are not a whole number of 16-byte units: the rows of the result (and of the
-    # GELU input kept for backward) are padded to 48, and nothing reads or writes the padding
+    # 47 values a row are not a whole number of 16-byte units: the caller gets a contiguous
+    # (33, 47) tensor, unless it asks for padded rows (48), where nothing reads or writes the padding
     a, b, bias = randn(gen, 33, 40, dtype=dtype), randn(gen, 40, 47, dtype=dtype, scale=0.2), randn(gen, 47, dtype=dtype)
     out = s.matmul(a, b)
-    assert out.shape == (33, 47) and out.stride() == (48, 1)
-    assert s.matmul(a, b[:, :40]).is_contiguous()  # 40 values: no padding
-    check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
-                [a, b, bias], TOL[dtype], gen)
+    assert out.shape == (33, 47) and out.is_contiguous()
+    padded = s.matmul(a, b, pad_rows=True)
+    assert padded.shape == (33, 47) and padded.stride() == (48, 1) and torch.equal(padded, out)
+    assert s.matmul(a, b[:, :40], pad_rows=True).is_contiguous()  # 40 values: no padding
+    for pad_rows in (False, True):
+        check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu", pad_rows),
+                    lambda a, b, bias: matmul_ref(a, b, bias, "gelu"), [a, b, bias], TOL[dtype], gen)
 
 
 def test_matmul_transposed_upstream_gradient(s, gen):
@@ -289,8 +292,9 @@ def test_cross_entropy_on_padded_logits(s, gen):
     # loss writes their gradient in that layout, and the matmul's backward reads it
     x, w = randn(gen, 2, 5, 16), randn(gen, 97, 16, scale=0.3)
     targets = torch.randint(97, (2, 5), generator=gen).to(DEVICE)
-    assert s.matmul(x, w.t()).stride() == (5 * 100, 100, 1)
-    check_close(lambda x, w: s.cross_entropy(s.matmul(x, w.t()), targets, inplace_backward=True),
+    assert s.matmul(x, w.t(), pad_rows=True).stride() == (5 * 100, 100, 1)
+    check_close(lambda x, w: s.cross_entropy(s.matmul(x, w.t(), pad_rows=True), targets,
+                                             inplace_backward=True),
                 lambda x, w: F.cross_entropy((x @ w.t()).flatten(0, 1), targets.flatten()), [x, w], 1e-5, gen)
 
 
