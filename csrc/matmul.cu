@@ -184,8 +184,7 @@ __global__ void __launch_bounds__(RT_THREADS, 2)
 //    tile is 4 panels of 64 columns.
 //  - A block computes a 128x256 tile of C with 8 warps, each a 64x64 tile: per k-step of 16 a
 //    warp loads 4 A and 8 B fragments with 8 ldmatrix and issues 32 mma.
-//  - Blocks walk the tiles in groups of 8 block-rows (Triton's grouped ordering), so the A rows
-//    and B columns that neighbouring blocks share are still in L2.
+//  - Blocks walk the tiles in groups of 8 block-rows (grouped_tile below).
 // Needs K % 8 == 0, N % 8 == 0 and 16-byte-aligned A and B (whole 16-byte chunks per row, and
 // TMA's rule for strides and addresses); M is free. Needs sm_80 or newer.
 constexpr int TC_BM = 128, TC_BN = 256, TC_BK = 64;  // block tile of C, and the k-step (one 128-byte row)
@@ -194,6 +193,15 @@ constexpr int TC_THREADS = 256;                      // 8 warps: 2 (m) x 4 (n), 
 constexpr int TC_A_BYTES = TC_BM * TC_BK * 2, TC_PANEL_BYTES = TC_BK * 64 * 2;  // A's tile; one panel of B's
 constexpr int TC_STAGE_BYTES = TC_A_BYTES + TC_BK * TC_BN * 2;
 constexpr int TC_SMEM_BYTES = TC_STAGES * TC_STAGE_BYTES + 1024;  // 145 KB (+ room to align the ring to 1024)
+
+// Blocks walk the tiles of C in groups of 8 block-rows (Triton's grouped ordering): block b's
+// tile (row0, col0), going down a group's 8 block-rows before the next column, so the A rows and
+// B columns that neighbouring blocks share are still in L2.
+__device__ __forceinline__ int2 grouped_tile(int block, int M, int N, int BM, int BN) {
+    const int grid_m = static_cast<int>(ceil_div(M, BM)), grid_n = static_cast<int>(ceil_div(N, BN));
+    const int group = 8 * grid_n, first_m = block / group * 8, group_m = min(grid_m - first_m, 8);
+    return make_int2((first_m + block % group % group_m) * BM, block % group / group_m * BN);
+}
 
 // 16 bytes global -> shared, asynchronously; src_bytes 0 (pred false) writes zeros instead.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool pred) {
@@ -304,10 +312,8 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_smem)) + 1023) & ~1023u;
     const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(landed));
 
-    const int grid_m = static_cast<int>(ceil_div(M, TC_BM)), grid_n = static_cast<int>(ceil_div(N, TC_BN));
-    const int group = 8 * grid_n, first_m = blockIdx.x / group * 8, group_m = min(grid_m - first_m, 8);
-    const int row0 = (first_m + blockIdx.x % group % group_m) * TC_BM;
-    const int col0 = blockIdx.x % group / group_m * TC_BN;
+    const int2 tile = grouped_tile(blockIdx.x, M, N, TC_BM, TC_BN);
+    const int row0 = tile.x, col0 = tile.y;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int warp_row = warp / 4 * 64, warp_col = warp % 4 * 64;  // this warp's 64x64 of the tile
@@ -518,10 +524,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_smem)) + 1023) & ~1023u;
     const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(landed));
 
-    const int grid_m = static_cast<int>(ceil_div(M, WG_BM)), grid_n = static_cast<int>(ceil_div(N, WG_BN));
-    const int group = 8 * grid_n, first_m = blockIdx.x / group * 8, group_m = min(grid_m - first_m, 8);
-    const int row0 = (first_m + blockIdx.x % group % group_m) * WG_BM;
-    const int col0 = blockIdx.x % group / group_m * WG_BN;
+    const int2 tile = grouped_tile(blockIdx.x, M, N, WG_BM, WG_BN);
+    const int row0 = tile.x, col0 = tile.y;
     const int tid = threadIdx.x, warpgroup = tid / 128;
     mbarrier_init(bar0, WG_STAGES);
 
