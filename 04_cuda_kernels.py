@@ -858,7 +858,7 @@ __device__ __forceinline__ void row_map(const float* in, float* out, int n, bool
 // the result: thread t of the row's block owns float4 groups t, t + blockDim.x, ... (ROW_CHUNKS
 // of them), loaded before any arithmetic, so each thread has ROW_CHUNKS 16-byte loads in flight.
 // That depth is what reaches the bandwidth: on the H200 a softmax over 16384 x 4096 floats ran at
-// 46%, 75%, 95% and 95% of copy bandwidth with 1, 2, 4 and 8 groups a thread (2026-11-30).
+// 46%, 75%, 95% and 95% of copy bandwidth with 1, 2, 4 and 8 groups a thread.
 constexpr int ROW_CHUNKS = 8;                     // 32 floats a thread
 constexpr int ROW_THREADS_MAX = 512;              // at most 128 registers a thread for 512 threads
 constexpr int ROW_REG_MAX = 4 * ROW_CHUNKS * ROW_THREADS_MAX;  // 16384: longer rows are streamed
@@ -1098,8 +1098,8 @@ __global__ void __launch_bounds__(RT_THREADS, 2)
 //    TMA (sm_90, Hopper): one thread asks the Tensor Memory Accelerator for whole 2-D boxes,
 //      described by "tensor maps" built on the host; they land already swizzled and count their
 //      bytes on an mbarrier, which everyone waits on. The other 255 threads issue no copies and
-//      compute no addresses. Measured at 4096^3 on the H200: 0.38-0.45x cuBLAS with cp.async,
-//      0.51-0.56x with TMA.
+//      compute no addresses. At 4096^3 on the H200: about 0.4x cuBLAS with cp.async, 0.55x
+//      with TMA.
 //  - ldmatrix loads a warp's operand fragments from shared memory in the exact register layout
 //    mma expects (.trans transposes B, stored k-major, on the way); the fragments of the next
 //    k-step of 16 are loaded while the mma of this one run.
@@ -1355,7 +1355,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
 // 1024 bytes apart, each stage 1024-byte aligned. The ring has 4 stages but prefetches only 2
 // ahead, so one k-tile's wgmmas can still be running when the next k-tile's are issued: the
 // stage refilled was read by wgmmas two k-tiles back, already complete. (Fed by cp.async instead,
-// as in step 4, this kernel measured 0.64x cuBLAS; with TMA 0.85-0.89x.) Needs K % 8 == 0,
+// as in step 4, this kernel reached 0.64x cuBLAS; with TMA 0.88x.) Needs K % 8 == 0,
 // N % 8 == 0 and 16-byte-aligned A and W.
 constexpr int WG_BM = 128, WG_BN = 256, WG_BK = 64;  // block tile of C, and the k-step (one 128-byte row)
 constexpr int WG_STAGES = 4, WG_AHEAD = WG_STAGES - 2;  // ring depth; k-tiles loaded ahead
