@@ -301,6 +301,21 @@ def test_softmax_causal_mask(stage):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1023, 50257])  # held in registers; streamed
+def test_softmax_extreme_rows(stage, n):
+    # exp() overflows float32 past 89 and underflows below -103. Rows of uniform +-3 about: +1e4
+    # (every 7th entry -inf); -1e4; +100; -100; -1e4 on the first half and +1e4 on the second (the
+    # max comes last); +1e4 with all but the last eighth -inf (a long -inf prefix)
+    x = rand(6, n, lo=-3.0, hi=3.0) + torch.tensor([1e4, -1e4, 100.0, -100.0, 0.0, 1e4], device="cuda")[:, None]
+    x[4, : n // 2] -= 1e4
+    x[4, n // 2:] += 1e4
+    x[0, ::7] = float("-inf")
+    x[5, : n - n // 8] = float("-inf")
+    got = stage.softmax(x, out=poisoned((6, n)))
+    assert rel_err(got, torch.softmax(x.double(), -1)) <= 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", ROW_SHAPES + [(3, 16384), (2, 20011)])
 @pytest.mark.parametrize("offset", [0.0, 1000.0])  # at 1000, E[x^2] - E[x]^2 would lose the variance
 def test_layer_norm(stage, shape, offset):
@@ -310,6 +325,21 @@ def test_layer_norm(stage, shape, offset):
     ref = F.layer_norm(x.double(), shape[-1:], w.double(), b.double(), 1e-5)
     # near 1000 the float32 running mean holds ~6e-5 absolute: 1e-4 of the std
     assert rel_err(got, ref) <= (1e-5 if offset == 0.0 else 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(17, 1023), (5, 20011)])  # held in registers; streamed
+def test_layer_norm_small_variance(stage, shape):
+    # rows of std 1e-4 to 1e-2 (variance 1e-8 to 1e-4) beside eps = 1e-5: eps outside the square
+    # root is off by O(1). At offsets from -1 to 1 the float32 mean holds ~1e-7 absolute, up to
+    # 4e-5 of sqrt(var + eps) >= 3e-3, which y inherits: bound 1e-3
+    rows, n = shape
+    std = torch.logspace(-4, -2, rows, device="cuda")[:, None]
+    x = torch.linspace(-1, 1, rows, device="cuda")[:, None] + std * torch.randn(rows, n, device="cuda")
+    w, b = rand(n), rand(n)
+    got = stage.layer_norm(x, w, b, eps=1e-5, out=poisoned(shape))
+    ref = F.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
+    assert rel_err(got, ref) <= 1e-3
 
 
 @pytest.mark.gpu

@@ -167,6 +167,122 @@ def test_layer_norm_mixed_dtypes(s, gen):
 
 
 # ------------------------------------------------------------------------------------------------
+# row kernels: every code path, tiny variances, extreme values
+# ------------------------------------------------------------------------------------------------
+# Under the interpreter _num_sms() is 1, and the tests above use at most 32 rows: each program of
+# the norm backward then gets one row block, where overwriting its partial dw equals adding to it.
+# Their variances near 1 hide eps, and exp() of randn * 3 never overflows, so a softmax that
+# skipped subtracting the max would pass. The paths, and the test that takes each:
+#   softmax: fused (N <= 16,384; ROWS rows a program, rows past the end clamped) or streamed
+#     (online max over 4,096-column chunks, the last masked): test_softmax_extreme_logits
+#   norm forward: fused (ROWS rows a program) or streamed (fp32 from 1,024 columns, 16-bit above
+#     8,192; per-lane Welford over whole chunks, then a ragged one): test_norm_small_variance
+#   norm backward: fused (N <= 8,192; ROWS rows a step, dw and db summed in registers) or streamed
+#     (a row a step, added into the program's row of partials), each with several row blocks a
+#     program and a last program whose run passes the end: test_norm_backward_sums_over_row_blocks
+#   column sum: one pass (<= 512 rows), or groups of 256 rows (several programs a column block)
+#     and a pass over the groups' sums; BLOCK_M = 4,096 // BLOCK_N rows a step, more than a group
+#     holds below 16 columns: test_column_sum
+
+def record_launches(monkeypatch, module, name):
+    """Launch module.<name>, a Triton kernel, as before, recording each launch: a list of
+    (grid, {argument name: value})."""
+    kernel = getattr(module, name)
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, {**dict(zip(kernel.arg_names, args)), **kwargs}))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, name, Recorder())
+    return launches
+
+
+@pytest.mark.parametrize("looped", [False, True])
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_backward_sums_over_row_blocks(s, gen, monkeypatch, looped, rms):
+    # _num_sms() pinned to 1, the interpreter's count, so that a GPU splits the rows alike; and for
+    # the streamed backward a threshold that 300 columns pass (at its real width, > 8,192, the
+    # interpreter's streamed layer-norm forward takes a second a row). 45 and 7 rows then give each
+    # program several row blocks and the last one a run past the end: an overwritten dw or db
+    # keeps one block a program. The launch is checked, so that a new split cannot skip the path.
+    monkeypatch.setattr(s, "_num_sms", lambda device: 1)
+    if looped:
+        monkeypatch.setattr(s, "_MAX_FUSED_BWD_N", 256)
+    launches = record_launches(monkeypatch, s, "_norm_bwd_looped_kernel" if looped else "_norm_bwd_kernel")
+    n = 300
+    x, w, b = randn(gen, 7 if looped else 45, n, scale=2.0) + 1.0, randn(gen, n) + 1.0, randn(gen, n)
+    if rms:
+        check_close(s.rms_norm, lambda x, w: F.rms_norm(x, (n,), w, 1e-6), [x, w], TOL[torch.float32], gen)
+    else:
+        check_close(s.layer_norm, lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), [x, w, b],
+                    TOL[torch.float32], gen)
+    [((programs,), args)] = launches
+    run, block = args["rows_per_program"], args.get("ROWS", 1)
+    assert programs >= 2 and run >= 2 * block and programs * run > args["n_rows"], (programs, run, block)
+
+
+@pytest.mark.parametrize("rows,n", [(100, 300), (600, 300), (1000, 3)])
+def test_column_sum(s, gen, rows, n):
+    # the norm backward's second kernel (and the matmul's bias gradient), on rows of a padded buffer
+    x = randn(gen, rows, n + 5)[:, :n]
+    for dtype in (torch.float32, torch.bfloat16):
+        out = s._column_sum(x, dtype)
+        assert out.dtype == dtype and out.shape == (n,)
+        assert rel_err(out, x.double().sum(0)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("n", [67, 1024])  # the fused forward; the streamed one (fp32, >= 1,024)
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_small_variance(s, gen, n, rms):
+    # Rows of standard deviation 1e-4 to 1e-2, variance 1e-8 to 1e-4, beside eps = 1e-5 (1e-6 for
+    # RMSNorm): eps placed outside the square root is off by O(1). RMSNorm rows are centred on 0
+    # (an offset would swamp eps) and meet fp32 rounding alone (bound 1e-5). Layer-norm rows sit at
+    # offsets from -1 to 1: the fp32 mean carries ~1e-7 absolute, up to 4e-5 of sqrt(var + eps) >=
+    # 3e-3, and y, dx and dw inherit it (measured 2e-4 on the streamed path): bound 1e-3.
+    std = torch.logspace(-4, -2, 5, dtype=torch.float64, device=DEVICE)[:, None]
+    x = randn(gen, 5, n, dtype=torch.float64) * std
+    w, b = randn(gen, n) + 1.0, randn(gen, n)
+    if rms:
+        check_close(s.rms_norm, lambda x, w: F.rms_norm(x, (n,), w, 1e-6), [x.float(), w], TOL[torch.float32], gen)
+    else:
+        x += torch.linspace(-1, 1, 5, dtype=torch.float64, device=DEVICE)[:, None]
+        check_close(s.layer_norm, lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), [x.float(), w, b], 1e-3, gen)
+
+
+def extreme_rows(gen, n, big, dtype):
+    """Six rows of n logits, randn * 3 about: +big (every 7th entry -inf); -big; +100; -100; -big
+    on the first half and +big on the second (the max in the last chunks); +big, all -inf but the
+    last eighth (whole leading chunks of -inf once n > 4,096 * 8 / 7). exp(89) overflows fp32."""
+    x = randn(gen, 6, n, dtype=torch.float64, scale=3.0)
+    x += torch.tensor([big, -big, 100.0, -100.0, 0.0, big], dtype=torch.float64, device=x.device)[:, None]
+    x[4, : n // 2] -= big
+    x[4, n // 2:] += big
+    x[0, ::7] = float("-inf")
+    x[5, : n - n // 8] = float("-inf")
+    return x.to(dtype)
+
+
+# Lanes past the end of a row hold 0 where the -big rows' exp(x - lse) is taken: numpy warns of
+# the overflow in values that are never stored.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("n,dtype,big,tol", [
+    (67, torch.float32, 1e4, TOL[torch.float32]),
+    # the streamed kernel writes exp(x - lse) with lse rounded to fp32: at 1e4 half an ulp is
+    # 2^-11 = 5e-4 absolute, and up to as much relative error in y (measured 2.3e-4)
+    (16411, torch.float32, 1e4, 1e-3),
+    # y and dx each rounded to bf16 (truncated by the interpreter, 2^-7), and a few entries carry
+    # each row, so the norm-wise error no longer averages down (measured 6e-3)
+    (67, torch.bfloat16, 3e4, 2e-2),
+    (16411, torch.bfloat16, 3e4, 2e-2)])
+def test_softmax_extreme_logits(s, gen, n, dtype, big, tol):
+    check_close(s.softmax, lambda t: torch.softmax(t, -1), [extreme_rows(gen, n, big, dtype)], tol, gen)
+
+
+# ------------------------------------------------------------------------------------------------
 # elementwise
 # ------------------------------------------------------------------------------------------------
 
@@ -355,6 +471,31 @@ def test_cross_entropy_int32_targets(s, gen):
     logits, targets = randn(gen, 9, 77), torch.randint(77, (9,), generator=gen).to(DEVICE)
     loss = s.cross_entropy(logits, targets.int())
     assert abs(loss.item() - F.cross_entropy(logits.double(), targets).item()) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# cross-entropy: extreme logits
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # see test_softmax_extreme_logits
+@pytest.mark.parametrize("stage", ["05_triton", "06_flash_attention"])  # 06 changes the wrapper
+def test_cross_entropy_extreme_logits(gen, stage):
+    # logits near +-1e4 and -inf over two chunks of 4,096 (the second ragged; row 5's first all
+    # -inf), targets at the row's max or at its min. lse is kept in fp32: at 1e4 half an ulp is
+    # 2^-11 = 5e-4 absolute, up to as much relative error in exp(x - lse), the gradient (measured
+    # 5e-5), and absolute error in a row's loss, lse - x[target], whose own rounding at 2e4 adds
+    # 2^-10: 1.5e-3 in all (measured 1.2e-3)
+    ce = load_stage(stage).cross_entropy
+    logits = extreme_rows(gen, 5003, 1e4, torch.float32)
+    at_min = torch.tensor([False, True, False, True, True, False], device=DEVICE)  # rows free of -inf
+    targets = torch.where(at_min, logits.argmin(-1), logits.argmax(-1))
+    check_close(lambda lg: ce(lg * 1, targets), lambda lg: F.cross_entropy(lg, targets), [logits], 1e-3, gen,
+                out_dtype=torch.float32)
+    for i in range(len(targets)):  # each row's loss alone, the others ignored: the mean hides a small one
+        alone = torch.full_like(targets, -100)
+        alone[i] = targets[i]
+        ref = F.cross_entropy(logits[i:i + 1].double(), targets[i:i + 1]).item()
+        assert abs(ce(logits, alone).item() - ref) <= 2e-3, (i, ref)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -142,6 +142,53 @@ def test_fully_masked_rows_give_zero_and_no_nan(fa):
     assert (q.grad[:, :, empty] == 0).all()
 
 
+# ------------------------------------------------------------ scores in the thousands
+# Scores of randn inputs are O(1), where exp never overflows: a forward that skipped subtracting
+# the running max would pass the tests above. Here q and k share one large coordinate, so each
+# score is +-1e3 (the sign alternating by query row) plus O(1): the positive rows overflow exp
+# without their max, and their max grows with every key block (k's coordinate ramps up along S);
+# the negative rows underflow to a zero sum. The reference is torch's SDPA in float64 (lse by
+# torch.logsumexp). fp32 holds a score of 1e3 to ~1e3 * 2^-24 = 6e-5, which exp turns into as
+# much relative error of P (measured <= 6e-5, in dk, through the interpreter; the large coordinates
+# are multiples of 1/16, exact in tf32, so the GPU's tf32x3 products of them are exact): bound
+# 2e-3. An overflow gives inf or NaN.
+
+def large_score_qkv(B, Hq, Hkv, T, S, D, peak=1e3):
+    gen = torch.Generator().manual_seed(T * 1000 + S)
+    q, k, v = (torch.randn(B, H, L, D, generator=gen, dtype=torch.float64)
+               for H, L in ((Hq, T), (Hkv, S), (Hkv, S)))
+    a = (peak * D**0.5) ** 0.5  # q_0 * k_0 * D^-0.5 = peak
+    q[..., 0] = (a * torch.tensor([16.0, -16.0], dtype=torch.float64).repeat(T)[:T]).round() / 16
+    k[..., 0] = (a * torch.linspace(15.84, 16.0, S, dtype=torch.float64)).round() / 16
+    return [x.to(device=DEVICE, dtype=torch.float32).requires_grad_() for x in (q, k, v)]
+
+
+# keys past S read as 0 and score 0, far above a negative row's lse: the backward's exp2 overflows
+# there before the mask zeroes it, and numpy warns
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+# (B, Hq, Hkv, T, S, D, causal): causal with GQA, both key loops; then S % 128 == 0 without the
+# mask, the forward's unmasked loop alone
+@pytest.mark.parametrize("case", [(1, 2, 1, 67, 129, 32, True), (1, 2, 2, 40, 128, 32, False)])
+def test_flash_large_scores(fa, case):
+    B, Hq, Hkv, T, S, D, causal = case
+    q, k, v = large_score_qkv(B, Hq, Hkv, T, S, D)
+    out, lse = fa.flash_attention_with_lse(q, k, v, causal=causal)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out.backward(dout)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T) if causal else None
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=True)
+    ref.backward(dout.double())
+    scores = (q64 @ k64.repeat_interleave(Hq // Hkv, dim=1).transpose(-2, -1)).detach() * D**-0.5
+    scores = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+    assert scores.amax() > 900 and scores.amin() < -900
+    for name, ours, want in (("out", out, ref), ("lse", lse, torch.logsumexp(scores, dim=-1)),
+                             ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
+                             ("dv", v.grad, v64.grad)):
+        assert torch.isfinite(ours).all(), f"{name} has NaN or inf"
+        assert rel_err(ours, want) < 2e-3, f"{name} {rel_err(ours, want):.2e}"
+
+
 def test_gpt_layout_views(fa):
     # the GPT hands the kernel views of one (B, T, 3C) projection: (B, H, T, D) with strides
     # (3TC, D, 3C, 1), and reads the output back as (B, T, C)
