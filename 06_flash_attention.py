@@ -1060,18 +1060,18 @@ def _norm_bwd_looped_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, 
     # and db no longer fit in registers, so they are added into this program's own (zeroed) row of
     # DW_PART and DB_PART: a read and a write, and still no other program touches that row.
     pid = tl.program_id(0)
-    for i in range(0, rows_per_program):
+    # up to the last row: a bound, not a mask (Triton 3.9's interpreter rejects scalar & block)
+    for i in range(0, tl.minimum(rows_per_program, n_rows - pid * rows_per_program)):
         row = pid * rows_per_program + i
-        valid = row < n_rows
-        rstd = tl.load(RSTD + row, mask=valid, other=0.0)
+        rstd = tl.load(RSTD + row)
         mean = 0.0
         if not RMS:
-            mean = tl.load(MEAN + row, mask=valid, other=0.0)
+            mean = tl.load(MEAN + row)
         sum_xg = 0.0
         sum_g = 0.0
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = (cols < N) & valid
+            mask = cols < N
             offs = row.to(tl.int64) * N + cols
             xhat = tl.where(mask, (tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
             g = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) * \
@@ -1080,7 +1080,7 @@ def _norm_bwd_looped_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, 
             sum_g += tl.sum(g, 0)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = (cols < N) & valid
+            mask = cols < N
             offs = row.to(tl.int64) * N + cols
             xhat = tl.where(mask, (tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
@@ -1238,13 +1238,14 @@ def _sigmoid(z):
 
 @triton.jit
 def _gelu(x):
-    return x * _sigmoid(2.0 * _GELU_C * (x + _GELU_A * x * x * x))
+    # tensor on the left: Triton 3.7-3.9's interpreter mishandles `constexpr * tensor`
+    return x * _sigmoid((x + x * x * x * _GELU_A) * (2.0 * _GELU_C))
 
 
 @triton.jit
 def _gelu_grad(x):
-    s = _sigmoid(2.0 * _GELU_C * (x + _GELU_A * x * x * x))
-    return s + 2.0 * x * s * (1.0 - s) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
+    s = _sigmoid((x + x * x * x * _GELU_A) * (2.0 * _GELU_C))
+    return s + 2.0 * x * s * (1.0 - s) * _GELU_C * (1.0 + x * x * (3.0 * _GELU_A))
 
 
 @triton.jit
