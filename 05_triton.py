@@ -688,8 +688,9 @@ if INTERPRET:
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True):
-    """Raise a clear error unless `t` is a tensor these kernels can take."""
+def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
+    """Raise a clear error unless `t` is a tensor these kernels can take. rows: the kernel reads `t`
+    as rows along its last dimension, so `t` needs one."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -703,6 +704,8 @@ def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True):
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if rows and t.dim() == 0:
+        raise ValueError(f"{name} is 0-dim; expected at least 1 dimension (the kernel works along the last)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -884,7 +887,7 @@ class _Softmax(torch.autograd.Function):
 
 def softmax(x):
     """Softmax over the last dimension of x (..., N), computed in fp32, returned in x's dtype."""
-    _check("x", x)
+    _check("x", x, rows=True)
     return _Softmax.apply(x.view(-1, x.shape[-1])).view(x.shape)
 
 
@@ -1184,7 +1187,7 @@ def _needs_stats(*tensors):
 
 
 def _check_norm(x, weight, bias):
-    _check("x", x)
+    _check("x", x, rows=True)
     _check("weight", weight, device=x.device)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},) for x {tuple(x.shape)}")
@@ -1619,7 +1622,7 @@ def matmul(a, b, bias=None, activation=None):
     number of 16-byte units, the result is a view with padded rows (see _empty_aligned_rows)."""
     if activation not in (None, "gelu"):
         raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
-    _check("a", a, contiguous=False)
+    _check("a", a, contiguous=False, rows=True)
     _check("b", b, device=a.device, contiguous=False)
     if bias is not None:
         _check("bias", bias, device=a.device)
@@ -1710,7 +1713,7 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     to ignore_index; an fp32 scalar. inplace_backward=True writes the gradient over the logits
     (see above). Rows may be padded (a matmul's logits are, see _empty_aligned_rows), each row
     contiguous. Checking the targets' range reads one bool back from the GPU."""
-    _check("logits", logits, contiguous=False)
+    _check("logits", logits, contiguous=False, rows=True)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be an int64 or int32 tensor, not {getattr(targets, 'dtype', type(targets))}")
     if targets.shape != logits.shape[:-1]:

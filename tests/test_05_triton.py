@@ -411,6 +411,12 @@ def test_bad_inputs(s, gen):
         s.cross_entropy(x, targets.float())
     with pytest.raises(ValueError, match="targets have shape"):
         s.cross_entropy(x, targets[:3])
+    scalar = x[0, 0]  # 0-dim: the row kernels have no last dimension to work along
+    for call in (lambda: s.softmax(scalar), lambda: s.layer_norm(scalar, x[0], None),
+                 lambda: s.rms_norm(scalar, x[0]), lambda: s.matmul(scalar, x),
+                 lambda: s.cross_entropy(scalar, targets[0])):
+        with pytest.raises(ValueError, match="is 0-dim; expected at least 1 dimension"):
+            call()
 
 
 @pytest.mark.gpu

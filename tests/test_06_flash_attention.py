@@ -177,10 +177,22 @@ def test_bad_inputs_raise(fa, bad, error, match):
         fa.flash_attention(*bad(q, k, v))
 
 
-def test_bad_scale_raises(fa):
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"sm_scale": 0.0}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": -0.5}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": float("inf")}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": float("nan")}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": "0.1"}, TypeError, "sm_scale must be a number or None"),
+    ({"sm_scale": torch.tensor(0.1)}, TypeError, "sm_scale must be a number or None"),
+    ({"sm_scale": True}, TypeError, "sm_scale must be a number or None"),
+    ({"causal": "yes"}, TypeError, "causal must be True or False"),
+    ({"causal": 1}, TypeError, "causal must be True or False"),
+    ({"causal": None}, TypeError, "causal must be True or False"),
+])
+def test_bad_causal_or_scale_raises(fa, kwargs, error, match):
     q, k, v = make_qkv(1, 2, 2, 17, 17, 32, torch.float32)
-    with pytest.raises(ValueError, match="sm_scale"):
-        fa.flash_attention(q, k, v, sm_scale=0.0)
+    with pytest.raises(error, match=match):
+        fa.flash_attention(q, k, v, **kwargs)
 
 
 # ------------------------------------------------------------------------------- the model
