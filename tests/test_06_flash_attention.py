@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, load_stage
+from conftest import HAS_CUDA, check_main, load_stage
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +227,12 @@ def test_flash_attend_refuses_dropout(fa):
         model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE))
     model.eval()
     assert model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE)).shape == (1, 5, 97)
+
+
+def test_main_on_the_cpu():
+    # `python 06_flash_attention.py` as README runs it: stage 05's kernel table (8 kernels forward,
+    # 7 backward), the GPT's logits on the Triton kernels and flash attention, generation
+    check_main("06_flash_attention", 8 + 7 + 1, F32_TOL, "--max-new-tokens", "3")
 
 
 # ------------------------------------------------------------------------------- on the GPU
