@@ -652,8 +652,9 @@ if INTERPRET:
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True):
-    """Raise a clear error unless `t` is a tensor these kernels can take."""
+def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
+    """Raise a clear error unless `t` is a tensor these kernels can take. rows: the kernel reads `t`
+    as rows along its last dimension, so `t` needs one."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -667,6 +668,8 @@ def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True):
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if rows and t.dim() == 0:
+        raise ValueError(f"{name} is 0-dim; expected at least 1 dimension (the kernel works along the last)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -848,7 +851,7 @@ class _Softmax(torch.autograd.Function):
 
 def softmax(x):
     """Softmax over the last dimension of x (..., N), computed in fp32, returned in x's dtype."""
-    _check("x", x)
+    _check("x", x, rows=True)
     return _Softmax.apply(x.view(-1, x.shape[-1])).view(x.shape)
 
 
@@ -1019,18 +1022,18 @@ def _norm_bwd_looped_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, 
     # and db no longer fit in registers, so they are added into this program's own (zeroed) row of
     # DW_PART and DB_PART: a read and a write, and still no other program touches that row.
     pid = tl.program_id(0)
-    for i in range(0, rows_per_program):
+    # up to the last row: a bound, not a mask (Triton 3.9's interpreter rejects scalar & block)
+    for i in range(0, tl.minimum(rows_per_program, n_rows - pid * rows_per_program)):
         row = pid * rows_per_program + i
-        valid = row < n_rows
-        rstd = tl.load(RSTD + row, mask=valid, other=0.0)
+        rstd = tl.load(RSTD + row)
         mean = 0.0
         if not RMS:
-            mean = tl.load(MEAN + row, mask=valid, other=0.0)
+            mean = tl.load(MEAN + row)
         sum_xg = 0.0
         sum_g = 0.0
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = (cols < N) & valid
+            mask = cols < N
             offs = row.to(tl.int64) * N + cols
             xhat = tl.where(mask, (tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
             g = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) * \
@@ -1039,7 +1042,7 @@ def _norm_bwd_looped_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, 
             sum_g += tl.sum(g, 0)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = (cols < N) & valid
+            mask = cols < N
             offs = row.to(tl.int64) * N + cols
             xhat = tl.where(mask, (tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
@@ -1148,7 +1151,7 @@ def _needs_stats(*tensors):
 
 
 def _check_norm(x, weight, bias):
-    _check("x", x)
+    _check("x", x, rows=True)
     _check("weight", weight, device=x.device)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},) for x {tuple(x.shape)}")
@@ -1197,13 +1200,14 @@ def _sigmoid(z):
 
 @triton.jit
 def _gelu(x):
-    return x * _sigmoid(2.0 * _GELU_C * (x + _GELU_A * x * x * x))
+    # tensor on the left: Triton 3.7-3.9's interpreter mishandles `constexpr * tensor`
+    return x * _sigmoid((x + x * x * x * _GELU_A) * (2.0 * _GELU_C))
 
 
 @triton.jit
 def _gelu_grad(x):
-    s = _sigmoid(2.0 * _GELU_C * (x + _GELU_A * x * x * x))
-    return s + 2.0 * x * s * (1.0 - s) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
+    s = _sigmoid((x + x * x * x * _GELU_A) * (2.0 * _GELU_C))
+    return s + 2.0 * x * s * (1.0 - s) * _GELU_C * (1.0 + x * x * (3.0 * _GELU_A))
 
 
 @triton.jit
@@ -1587,7 +1591,7 @@ def matmul(a, b, bias=None, activation=None, pad_rows=False):
     to them (see _empty_aligned_rows), which keeps the backward on the TMA kernel."""
     if activation not in (None, "gelu"):
         raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
-    _check("a", a, contiguous=False)
+    _check("a", a, contiguous=False, rows=True)
     _check("b", b, device=a.device, contiguous=False)
     if bias is not None:
         _check("bias", bias, device=a.device)
@@ -1678,7 +1682,7 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     to ignore_index; an fp32 scalar. inplace_backward=True writes the gradient over the logits
     (see above). Rows may be padded (a matmul's logits are, see _empty_aligned_rows), each row
     contiguous. Checking the targets' range reads one bool back from the GPU."""
-    _check("logits", logits, contiguous=False)
+    _check("logits", logits, contiguous=False, rows=True)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be an int64 or int32 tensor, not {getattr(targets, 'dtype', type(targets))}")
     if targets.shape != logits.shape[:-1]:

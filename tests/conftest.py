@@ -23,6 +23,8 @@ import importlib.util
 import os
 import pathlib
 import random
+import re
+import subprocess
 import sys
 
 import pytest
@@ -43,6 +45,23 @@ def load_stage(name):
         sys.modules[mod_name] = module  # dataclasses look their module up while the file runs
         spec.loader.exec_module(module)
     return sys.modules[mod_name]
+
+
+def check_main(name, min_errors, tol, *args, prompt="Every effort moves you", timeout=600):
+    """Run `python <name>.py --device cpu *args` as a reader would, Triton kernels through the
+    interpreter, and check what it printed: exit status 0; at least `min_errors` relative errors
+    ("rel err 1.2e-07", "backward 4.1e-07", "relative error 2.9e-07"), each below `tol` (a
+    printed nan fails); generated text after the prompt. Returns what it printed."""
+    proc = subprocess.run([sys.executable, f"{name}.py", "--device", "cpu", "--prompt", prompt, *args],
+                          cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                          text=True, timeout=timeout)
+    out = proc.stdout
+    assert proc.returncode == 0, f"{name}.py exited {proc.returncode}:\n{out}\n{proc.stderr[-5000:]}"
+    number = r"([-+]?\d[\d.]*(?:e[-+]?\d+)?|nan|inf)"
+    errors = [float(x) for x in re.findall(rf"(?:rel err|relative error|backward) {number}", out)]
+    assert len(errors) >= min_errors and all(e < tol for e in errors), out
+    assert prompt in out and out.rsplit(prompt, 1)[1].strip(), f"no generated text:\n{out}"
+    return out
 
 
 def pytest_configure(config):

@@ -10,7 +10,7 @@ interpreter truncates instead of rounding to bf16, 2^-7, still inside the bound)
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, load_stage
+from conftest import HAS_CUDA, check_main, load_stage
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -556,6 +556,12 @@ def test_bad_inputs(s, gen):
         s.cross_entropy(x, targets.float())
     with pytest.raises(ValueError, match="targets have shape"):
         s.cross_entropy(x, targets[:3])
+    scalar = x[0, 0]  # 0-dim: the row kernels have no last dimension to work along
+    for call in (lambda: s.softmax(scalar), lambda: s.layer_norm(scalar, x[0], None),
+                 lambda: s.rms_norm(scalar, x[0]), lambda: s.matmul(scalar, x),
+                 lambda: s.cross_entropy(scalar, targets[0])):
+        with pytest.raises(ValueError, match="is 0-dim; expected at least 1 dimension"):
+            call()
 
 
 @pytest.mark.gpu
@@ -627,6 +633,17 @@ def test_gpt_generates_like_torch(s):
     prompt = torch.tensor([[5, 17, 3]], device=DEVICE)
     expected = s.generate(ref, prompt, max_new_tokens=5)
     assert torch.equal(s.generate(ours, prompt, max_new_tokens=5), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# the script, end to end
+# ------------------------------------------------------------------------------------------------
+
+def test_main_on_the_cpu():
+    # `python 05_triton.py` as README runs it: the kernel table against float64 (8 kernels forward,
+    # 7 backward), the GPT's logits on the kernels, generation. Triton 3.8's interpreter once
+    # crashed it while every test above passed on 3.6. 3 new tokens, not 10: 30 s sooner.
+    check_main("05_triton", 8 + 7 + 1, 1e-5, "--max-new-tokens", "3")
 
 
 # ------------------------------------------------------------------------------------------------

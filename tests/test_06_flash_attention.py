@@ -6,11 +6,12 @@ tested on the GPU only). Every result is compared with `naive_attention` run in 
 is itself checked against torch's scaled_dot_product_attention.
 """
 import itertools
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, load_stage
+from conftest import HAS_CUDA, check_main, load_stage
 
 
 @pytest.fixture(scope="module")
@@ -224,10 +225,22 @@ def test_bad_inputs_raise(fa, bad, error, match):
         fa.flash_attention(*bad(q, k, v))
 
 
-def test_bad_scale_raises(fa):
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"sm_scale": 0.0}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": -0.5}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": float("inf")}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": float("nan")}, ValueError, "sm_scale must be positive and finite"),
+    ({"sm_scale": "0.1"}, TypeError, "sm_scale must be a number or None"),
+    ({"sm_scale": torch.tensor(0.1)}, TypeError, "sm_scale must be a number or None"),
+    ({"sm_scale": True}, TypeError, "sm_scale must be a number or None"),
+    ({"causal": "yes"}, TypeError, "causal must be True or False"),
+    ({"causal": 1}, TypeError, "causal must be True or False"),
+    ({"causal": None}, TypeError, "causal must be True or False"),
+])
+def test_bad_causal_or_scale_raises(fa, kwargs, error, match):
     q, k, v = make_qkv(1, 2, 2, 17, 17, 32, torch.float32)
-    with pytest.raises(ValueError, match="sm_scale"):
-        fa.flash_attention(q, k, v, sm_scale=0.0)
+    with pytest.raises(error, match=match):
+        fa.flash_attention(q, k, v, **kwargs)
 
 
 # ------------------------------------------------------------------------------- the model
@@ -262,6 +275,18 @@ def test_flash_attend_refuses_dropout(fa):
         model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE))
     model.eval()
     assert model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE)).shape == (1, 5, 97)
+
+
+def test_main_on_the_cpu():
+    # `python 06_flash_attention.py` as README runs it: stage 05's kernel table (8 kernels forward,
+    # 7 backward), the GPT's logits on the Triton kernels and flash attention, generation
+    # and chapter 15: the online softmax of one row, then naive, tiled and flash attention
+    out = check_main("06_flash_attention", 8 + 7 + 1, F32_TOL, "--max-new-tokens", "3")
+    diff = re.search(r"exp\(x - m\) / l vs torch.softmax: max abs diff (\S+)", out)
+    assert diff and float(diff[1]) < 1e-6, out
+    table = dict(re.findall(r"^  (naive|tiled|flash) +(\S+ +\S+ +\S+ +\S+ +\S+)$", out, re.MULTILINE))
+    assert table.keys() == {"naive", "tiled", "flash"}, out
+    assert all(float(e) < 1e-5 for row in table.values() for e in row.split()), table
 
 
 # ------------------------------------------------------------------------------- on the GPU
