@@ -835,8 +835,8 @@ def _launch_rows(fused_kernel, looped_kernel, args, n_rows, n_cols, **meta):
     """Launch a row kernel: whole rows in registers when they fit, else streamed in chunks."""
     block_n = triton.next_power_of_2(n_cols)
     if block_n <= _MAX_FUSED_N:
-        # 32 values a thread; narrow rows share a warp. Measured on the H200 at 1,024 columns, one
-        # warp a row beat four rows on four warps by 1-2% of copy bandwidth in every case
+        # 32 values a thread; narrow rows share a warp (at 1,024 columns one warp a row beat four
+        # rows on four warps by 1-2% of copy bandwidth on the H200)
         rows = min(max(1, _FUSED_ELEMS_FWD // block_n), triton.next_power_of_2(n_rows))
         warps = min(16, max(1, rows * block_n // 1024))
         fused_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, ROWS=rows, BLOCK_N=block_n,
@@ -874,12 +874,12 @@ def softmax(x):
 # LayerNorm y = (x - mean) * rstd * w + b; RMSNorm y = x * rstd * w with rstd from the mean square
 # alone. One kernel serves both (RMS is a constexpr: the compiler drops the branch not taken). The
 # forward reads x once and writes y, plus two floats a row (mean, rstd) that the backward reuses,
-# only where a backward can follow: with no gradient to compute they are skipped (they cost up to
-# 2% of the bandwidth at 1,024 and 4,096 columns on the H200).
+# only where a backward can follow: with no gradient to compute they are skipped (they cost 2% of
+# the bandwidth at 1,024 columns on the H200).
 # Wide rows are streamed instead, and read twice, the second time from L2: a wide row held whole
 # in registers leaves one or two programs per SM, whose loads stop while they reduce and store
-# (layer norm at 16,384 columns: 82-88% of copy bandwidth on the H200); the streamed kernel keeps
-# loading (93-97%).
+# (layer norm at 16,384 columns: 85% of copy bandwidth on the H200); the streamed kernel keeps
+# loading (95%).
 # The backward has two parts of different shape. dx is per row:
 #     xhat = (x - mean) * rstd,  g = w * dy,  dx = rstd * (g - xhat * mean(xhat * g) - mean(g))
 # (RMSNorm drops the last term). dw = sum over rows of dy * xhat and db = sum of dy are reductions
@@ -1114,16 +1114,16 @@ class _Norm(torch.autograd.Function):
         args = (x, weight, bias, y, mean, rstd, eps)
         block_n = triton.next_power_of_2(n_cols)
         if n_cols > _MAX_FUSED_NORM_N or (x.element_size() == 4 and n_cols >= 1024):
-            # streamed where that measured faster on the H200: fp32 rows from 1,024 columns, 16-bit
-            # rows above 8,192. Chunks of half the row (at most _CHUNK), one 16-byte load a thread
-            # a chunk: 4 warps for 512 fp32 values, 32 for 4,096 (more warps, or more values a
-            # thread, measured slower at 1,024, 4,096 and 16,384 columns)
+            # streamed where that is faster on the H200: fp32 rows from 1,024 columns, 16-bit rows
+            # above 8,192. Chunks of half the row (at most _CHUNK), one 16-byte load a thread a
+            # chunk: 4 warps for 512 fp32 values, 32 for 4,096 (more warps, or more values a
+            # thread, were slower)
             chunk = min(_CHUNK, block_n // 2)
             _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=rms, BLOCK_N=chunk,
                                                num_warps=chunk * x.element_size() // (16 * 32))
         else:
             # whole rows in registers, 16 values a thread: at 1,024 bf16 columns two warps a row
-            # measured 0.3-0.8% of copy faster than _launch_rows's one (layer norm and RMSNorm)
+            # are 0.5% of copy bandwidth faster than _launch_rows's one
             rows = min(max(1, 1024 // block_n), triton.next_power_of_2(n_rows))
             _norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, RMS=rms, ROWS=rows, BLOCK_N=block_n,
                                                            num_warps=min(16, max(1, rows * block_n // 512)))
@@ -1430,7 +1430,7 @@ def _matmul_kernel(A, B, C, BIAS, PRE, M, N, K, stride_am, stride_ak, stride_bk,
 
 def _tma_configs():
     # persistent programs hold one tile's accumulator and the load ring: 3 stages of 128 x 256
-    # tiles (4 fit beside the half-tile epilogue buffer, but measured no faster)
+    # tiles (4 fit beside the half-tile epilogue buffer, but are no faster)
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})]
     tiles = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4),
@@ -1440,11 +1440,10 @@ def _tma_configs():
 
 
 def _prune_tma_configs(configs, named_args, **kwargs):
-    # Three --bench runs in one hour read 0.88x, 0.96x and 0.98x cuBLAS at 4096^3: the autotuner
-    # picks once per process, from one timing of each candidate. Pinned one at a time (5 rounds
-    # each, H200), the 128 x 256 tiles ran 0.93-1.03x cuBLAS at 4096^3 and 8192^3 and the smaller
-    # ones 0.61-0.97x (0.87-0.88x at 4096^3, the low reading), so when every side is at least
-    # 4,096 only the 128 x 256 tiles are timed.
+    # The autotuner picks once per process, from one timing of each candidate, and at large sizes
+    # that timing is noisy enough to pick a smaller tile. Pinned one at a time on the H200 at
+    # 4096^3, the 128 x 256 tiles run at 0.95x cuBLAS and the smaller ones at 0.6-0.88x, so when
+    # every side is at least 4,096 only the 128 x 256 tiles are timed.
     configs = _prune_matmul_configs(configs, named_args)
     if min(named_args["M"], named_args["N"], named_args["K"]) >= 4096:
         configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] == 128 * 256] or configs
@@ -1538,8 +1537,8 @@ def _empty_aligned_rows(m, n, like):
     TMA requires. GPT-2's 50,257 logits a row are not (100,514 bytes in bf16), so they get a row
     stride of 50,264 (7 unused values a row): a strided view, not a contiguous tensor. The in-place
     cross-entropy writes the logits' gradient in the same layout, so both backward products with
-    that gradient keep the TMA kernel. With unpadded rows they fell to the pointer kernel, at 187
-    TFLOP/s, 13.5 ms of a 53 ms training step (GPT-2 124M, B=16, T=1,024, H200)."""
+    that gradient keep the TMA kernel (with unpadded rows they fall to the pointer kernel, at a
+    quarter of its speed on the H200)."""
     per_16_bytes = 16 // like.element_size()
     stride = triton.cdiv(n, per_16_bytes) * per_16_bytes
     return torch.empty((m, stride), device=like.device, dtype=like.dtype)[:, :n]
@@ -1881,7 +1880,7 @@ def _bench_matmul(shapes=(((4096, 4096, 4096), False), ((8192, 8192, 8192), Fals
     """bf16 matmul against cuBLAS; with the fused bias + GELU epilogue (the last default shape, GPT-2's
     MLP up-projection at 16,384 tokens) against eager and compiled torch. shapes: ((M, N, K), epilogue).
     Each contender is timed `rounds` times, the rounds interleaved, and its median kept: one timing
-    of cuBLAS at 4096^3 moved by 10% between back-to-back calls of do_bench on the H200."""
+    of cuBLAS at 4096^3 can move by 10% between back-to-back calls of do_bench."""
     print(f"\n{'matmul (bf16)':<34} | {'cuBLAS TFLOP/s':>15} {'compile TFLOP/s':>16} {'triton TFLOP/s':>15}"
           " | triton/cuBLAS")
     results = []
@@ -2102,8 +2101,8 @@ def _prune_configs(configs, named_args, **kwargs):
 # (the GPU lists are built on every machine all the same, so a CPU run checks them).
 # Forward: 128 query rows, 64 or 128 keys a step. 8 warps are two warpgroups of 64 rows (4
 # spill at D=128). Not offered: Triton 3.6's warp-specialized key loop
-# (tl.range(..., warp_specialize=True)), which once gave wrong outputs on the H200 for
-# non-causal attention with S a multiple of 128, and where correct was no faster (0.98-1.01x).
+# (tl.range(..., warp_specialize=True)), which gave wrong outputs on the H200 for non-causal
+# attention with S a multiple of 128.
 _FWD_CONFIGS = (
     [_config(128, n, 8, s) for n, s in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))]
     + [_config(128, n, 4, s, (32, 64)) for n, s in ((64, 2), (64, 3), (128, 2))]
@@ -3000,8 +2999,8 @@ def build_config(preset, context_length, dropout):
 
 # A training step of GPT-2 124M on these kernels launches over 900 kernels, and Python spends
 # 30-110 us on each launch (Triton's autotuner lookup and argument binding, the wrapper's checks;
-# 300 us for a flash backward). At B=16, T=1,024 the host needed 67-85 ms a step where the GPU
-# needs 42, so the GPU waits (H200, --bench). A CUDA graph records the kernels of one step once,
+# 300 us for a flash backward). At B=16, T=1,024 the host needs about 75 ms a step where the GPU
+# needs 42 (H200), so the GPU waits. A CUDA graph records the kernels of one step once,
 # with their arguments, and replays them all with one launch: no Python at all. What a replay
 # cannot do is anything that depends on the host: reading a value back (the range checks skip
 # themselves during capture), a new tensor shape, a new allocation (the graph keeps its own memory
