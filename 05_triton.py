@@ -652,7 +652,7 @@ if INTERPRET:
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
+def _check_tensor(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
     """Raise a clear error unless `t` is a tensor these kernels can take. rows: the kernel reads `t`
     as rows along its last dimension, so `t` needs one."""
     if not isinstance(t, torch.Tensor):
@@ -717,8 +717,8 @@ def _add_kernel(X, Y, OUT, n, BLOCK: tl.constexpr):
 
 def vector_add(x, y):
     """x + y for two tensors of the same shape and dtype."""
-    _check("x", x)
-    _check("y", y, device=x.device)
+    _check_tensor("x", x)
+    _check_tensor("y", y, device=x.device)
     if x.shape != y.shape or x.dtype != y.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and y {tuple(y.shape)} {y.dtype} differ")
     out = torch.empty_like(x)
@@ -851,7 +851,7 @@ class _Softmax(torch.autograd.Function):
 
 def softmax(x):
     """Softmax over the last dimension of x (..., N), computed in fp32, returned in x's dtype."""
-    _check("x", x, rows=True)
+    _check_tensor("x", x, rows=True)
     return _Softmax.apply(x.view(-1, x.shape[-1])).view(x.shape)
 
 
@@ -1151,12 +1151,12 @@ def _needs_stats(*tensors):
 
 
 def _check_norm(x, weight, bias):
-    _check("x", x, rows=True)
-    _check("weight", weight, device=x.device)
+    _check_tensor("x", x, rows=True)
+    _check_tensor("weight", weight, device=x.device)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},) for x {tuple(x.shape)}")
     if bias is not None:
-        _check("bias", bias, device=x.device)
+        _check_tensor("bias", bias, device=x.device)
         if bias.shape != x.shape[-1:]:
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
 
@@ -1291,14 +1291,14 @@ class _SwiGLU(torch.autograd.Function):
 
 def gelu(x):
     """GPT-2's GELU (tanh form), elementwise, any shape."""
-    _check("x", x)
+    _check_tensor("x", x)
     return _GELU.apply(x)
 
 
 def swiglu(gate, up):
     """silu(gate) * up, elementwise; gate and up of one shape and dtype."""
-    _check("gate", gate)
-    _check("up", up, device=gate.device)
+    _check_tensor("gate", gate)
+    _check_tensor("up", up, device=gate.device)
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
     return _SwiGLU.apply(gate, up)
@@ -1590,10 +1590,10 @@ def matmul(a, b, bias=None, activation=None, pad_rows=False):
     to them (see _empty_aligned_rows), which keeps the backward on the TMA kernel."""
     if activation not in (None, "gelu"):
         raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
-    _check("a", a, contiguous=False, rows=True)
-    _check("b", b, device=a.device, contiguous=False)
+    _check_tensor("a", a, contiguous=False, rows=True)
+    _check_tensor("b", b, device=a.device, contiguous=False)
     if bias is not None:
-        _check("bias", bias, device=a.device)
+        _check_tensor("bias", bias, device=a.device)
     if torch.is_autocast_enabled(a.device.type):
         dtype = torch.get_autocast_dtype(a.device.type)
         a, b = a.to(dtype), b.to(dtype)
@@ -1681,14 +1681,14 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     to ignore_index; an fp32 scalar. inplace_backward=True writes the gradient over the logits
     (see above). Rows may be padded (a matmul's logits are, see _empty_aligned_rows), each row
     contiguous. Checking the targets' range reads one bool back from the GPU."""
-    _check("logits", logits, contiguous=False, rows=True)
+    _check_tensor("logits", logits, contiguous=False, rows=True)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be an int64 or int32 tensor, not {getattr(targets, 'dtype', type(targets))}")
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets have shape {tuple(targets.shape)}; expected {tuple(logits.shape[:-1])} "
                          f"for logits {tuple(logits.shape)}")
     # targets are small: a strided view (say y = x[:, 1:]) is copied rather than refused
-    _check("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
+    _check_tensor("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
            contiguous=False)
     vocab = logits.shape[-1]
     if (((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any():

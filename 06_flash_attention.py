@@ -19,9 +19,10 @@ float64 reference, and the bytes of the score matrix against what the flash forw
 a CUDA graph and replays it, taking Python's launch cost out of the loop.
 Changed: `GPT.forward` and `cross_entropy` skip their token-range checks while a CUDA graph is
 captured (a check reads a value back from the GPU, which a capture cannot do); `make_optimizer`
-takes `capturable` for the same graph; `--bench` prints the attention table (forward and backward TFLOP/s against torch's
-SDPA and the naive version, peak memory), then GPT-2 124M training throughput on the stage's
-kernels against torch eager and torch.compile with SDPA; stage 05's kernel table is
+takes `capturable` for the same graph; `--bench` prints the attention table (forward and
+backward TFLOP/s against torch's SDPA and the naive version, peak memory), then GPT-2 124M
+training throughput on the stage's kernels against torch eager and torch.compile with SDPA;
+stage 05's kernel table is
 `--bench-kernels`.
 
 Run
@@ -665,7 +666,7 @@ if INTERPRET:
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
+def _check_tensor(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
     """Raise a clear error unless `t` is a tensor these kernels can take. rows: the kernel reads `t`
     as rows along its last dimension, so `t` needs one."""
     if not isinstance(t, torch.Tensor):
@@ -730,8 +731,8 @@ def _add_kernel(X, Y, OUT, n, BLOCK: tl.constexpr):
 
 def vector_add(x, y):
     """x + y for two tensors of the same shape and dtype."""
-    _check("x", x)
-    _check("y", y, device=x.device)
+    _check_tensor("x", x)
+    _check_tensor("y", y, device=x.device)
     if x.shape != y.shape or x.dtype != y.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and y {tuple(y.shape)} {y.dtype} differ")
     out = torch.empty_like(x)
@@ -864,7 +865,7 @@ class _Softmax(torch.autograd.Function):
 
 def softmax(x):
     """Softmax over the last dimension of x (..., N), computed in fp32, returned in x's dtype."""
-    _check("x", x, rows=True)
+    _check_tensor("x", x, rows=True)
     return _Softmax.apply(x.view(-1, x.shape[-1])).view(x.shape)
 
 
@@ -1164,12 +1165,12 @@ def _needs_stats(*tensors):
 
 
 def _check_norm(x, weight, bias):
-    _check("x", x, rows=True)
-    _check("weight", weight, device=x.device)
+    _check_tensor("x", x, rows=True)
+    _check_tensor("weight", weight, device=x.device)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},) for x {tuple(x.shape)}")
     if bias is not None:
-        _check("bias", bias, device=x.device)
+        _check_tensor("bias", bias, device=x.device)
         if bias.shape != x.shape[-1:]:
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
 
@@ -1304,14 +1305,14 @@ class _SwiGLU(torch.autograd.Function):
 
 def gelu(x):
     """GPT-2's GELU (tanh form), elementwise, any shape."""
-    _check("x", x)
+    _check_tensor("x", x)
     return _GELU.apply(x)
 
 
 def swiglu(gate, up):
     """silu(gate) * up, elementwise; gate and up of one shape and dtype."""
-    _check("gate", gate)
-    _check("up", up, device=gate.device)
+    _check_tensor("gate", gate)
+    _check_tensor("up", up, device=gate.device)
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
     return _SwiGLU.apply(gate, up)
@@ -1603,10 +1604,10 @@ def matmul(a, b, bias=None, activation=None, pad_rows=False):
     to them (see _empty_aligned_rows), which keeps the backward on the TMA kernel."""
     if activation not in (None, "gelu"):
         raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
-    _check("a", a, contiguous=False, rows=True)
-    _check("b", b, device=a.device, contiguous=False)
+    _check_tensor("a", a, contiguous=False, rows=True)
+    _check_tensor("b", b, device=a.device, contiguous=False)
     if bias is not None:
-        _check("bias", bias, device=a.device)
+        _check_tensor("bias", bias, device=a.device)
     if torch.is_autocast_enabled(a.device.type):
         dtype = torch.get_autocast_dtype(a.device.type)
         a, b = a.to(dtype), b.to(dtype)
@@ -1695,14 +1696,14 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
     (see above). Rows may be padded (a matmul's logits are, see _empty_aligned_rows), each row
     contiguous. Checking the targets' range reads one bool back from the GPU (skipped while a CUDA
     graph is captured, see cuda_graph_step)."""
-    _check("logits", logits, contiguous=False, rows=True)
+    _check_tensor("logits", logits, contiguous=False, rows=True)
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be an int64 or int32 tensor, not {getattr(targets, 'dtype', type(targets))}")
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets have shape {tuple(targets.shape)}; expected {tuple(logits.shape[:-1])} "
                          f"for logits {tuple(logits.shape)}")
     # targets are small: a strided view (say y = x[:, 1:]) is copied rather than refused
-    _check("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
+    _check_tensor("targets", targets, dtypes=(torch.int64, torch.int32), device=logits.device,
            contiguous=False)
     vocab = logits.shape[-1]
     # changed in 06: no read-back of the check while a CUDA graph is captured (cuda_graph_step)
