@@ -22,8 +22,7 @@ captured (a check reads a value back from the GPU, which a capture cannot do); `
 takes `capturable` for the same graph; `--bench` prints the attention table (forward and
 backward TFLOP/s against torch's SDPA and the naive version, peak memory), then GPT-2 124M
 training throughput on the stage's kernels against torch eager and torch.compile with SDPA;
-stage 05's kernel table is
-`--bench-kernels`.
+stage 05's kernel table is `--bench-kernels`.
 
 Run
     python 06_flash_attention.py                   # kernels vs torch, chapter 15, GPT on them
