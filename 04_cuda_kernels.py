@@ -15,8 +15,9 @@ What this stage teaches
     csrc/ holds the same kernels as standalone CUDA C++ programs (make -C csrc run).
 
 New since stage 03: chapters 10-13 and the `main()` below. Changed: `--bench` prints the kernel
-table (stage 03's training-throughput bench is `--bench-train`); with no flags the script runs
-the kernel chapter instead of training (`--train` trains as stage 03 did).
+table; with no flags the script runs the kernel chapter instead of training (`--train` trains as
+stage 03 did). Dropped: stage 03's training-throughput bench and the flags only it and a
+tuned training run used (`--bench-steps`, `--compile`, `--eval-every`); they stay in 03.
 
 Run
     python 04_cuda_kernels.py                 # kernels vs torch in float64, GPT on the kernels
@@ -2733,49 +2734,6 @@ def build_config(preset, context_length, dropout):
     return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout)
 
 
-def bench(args, device):
-    """Training throughput on random tokens: eager and torch.compile, same model and batch."""
-    T = args.context_length or (1024 if device.type == "cuda" else 128)
-    B = args.batch_size or (16 if device.type == "cuda" else 4)
-    preset = args.model or ("124M" if device.type == "cuda" else "tiny")
-    steps = args.bench_steps
-    peak = peak_flops(device)
-    print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
-          f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
-    rows = []
-    for compiled in (False, True):
-        torch.manual_seed(args.seed)
-        model = GPT(build_config(preset, T, 0.0)).to(device)
-        step_model = torch.compile(model) if compiled else model
-        opt = make_optimizer(model, 1e-4, 0.1, device)
-        x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), device=device)
-
-        def one_step():
-            with autocast(device):
-                loss = loss_fn(step_model(x[:, :-1]), x[:, 1:])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            return loss
-
-        for _ in range(3):  # warm-up: compilation, allocator, cuBLAS heuristics
-            one_step()
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            loss = one_step()
-        sync()
-        tok_s = B * T * steps / (time.perf_counter() - t0)
-        mfu = flops_per_token(model, T) * tok_s / peak if peak else None
-        rows.append(("torch.compile" if compiled else "eager", tok_s, mfu, loss.item()))
-        del model, step_model, opt
-    print(f"{'mode':<14}{'tokens/s':>12}{'MFU':>8}{'loss':>8}")
-    for mode, tok_s, mfu, loss in rows:
-        print(f"{mode:<14}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
-
-
 def positive_int(text):
     """argparse type: an integer >= 1 (0 is not a way to ask for the default)."""
     value = int(text)
@@ -2808,15 +2766,12 @@ def probability(text):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=list(TRAIN_PRESETS),
-                        help="model shape to train (default: tiny; --bench-train on a GPU: 124M)")
+                        help="model shape to train (default: tiny)")
     parser.add_argument("--epochs", type=positive_int, help="default: the preset's")
     parser.add_argument("--batch-size", type=positive_int, help="default: the preset's")
     parser.add_argument("--context-length", type=positive_int, help="default: the preset's")
     parser.add_argument("--lr", type=positive_float,
                         help="peak learning rate (default: the preset's)")
-    parser.add_argument("--eval-every", type=positive_int,
-                        help="steps between evaluations (default: 10)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--train", action="store_true", help="train first, as stage 03 does")
     parser.add_argument("--save", help="write the trained model to this .safetensors file")
     source = parser.add_mutually_exclusive_group()
@@ -2837,9 +2792,6 @@ def parse_args():
     parser.add_argument("--top-p", type=probability, help="sample from the smallest set of "
                         "tokens whose probabilities add up to p")
     parser.add_argument("--bench", action="store_true", help="time every kernel against torch")
-    parser.add_argument("--bench-train", action="store_true", help="measure training throughput")
-    parser.add_argument("--bench-steps", type=positive_int,
-                        help="timed steps of --bench-train (default: 20)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
@@ -2851,12 +2803,10 @@ def parse_args():
     args.prompt = args.prompt or "Every effort moves you"
     args.max_new_tokens = args.max_new_tokens or 40
     args.temperature = args.temperature or 0.0
-    args.bench_steps = args.bench_steps or 20
     return args
 
 
-TRAINING_FLAGS = ("model", "epochs", "batch_size", "context_length", "lr", "eval_every",
-                  "compile", "save")
+TRAINING_FLAGS = ("model", "epochs", "batch_size", "context_length", "lr", "save")
 SAMPLING_FLAGS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")
 
 
@@ -2870,11 +2820,9 @@ def check_args(parser, args):
             parser.error(f"--{clash[0].replace('_', '-')} {why}")
 
     loading = args.load or args.gpt2 or args.gpt2_dir
-    if args.bench or args.bench_train:  # changed in 04: two benchmarks
-        refuse(("train", "epochs", "lr", "eval_every", "compile", "save", "load", "gpt2",
-                "gpt2_dir", *SAMPLING_FLAGS), "does not apply to --bench or --bench-train")
-    else:
-        refuse(("bench_steps",), "only applies to --bench-train")
+    if args.bench:
+        refuse(("train", "epochs", "lr", "save", "load", "gpt2", "gpt2_dir", *SAMPLING_FLAGS),
+               "does not apply to --bench")
     if not args.train:  # changed in 04: training is opt-in (--train)
         refuse(TRAINING_FLAGS, "only applies with --train")
     elif loading:
@@ -2926,13 +2874,11 @@ def train_model(args, device, tokenizer):
     B = args.batch_size or preset["batch_size"]
     train_loader = create_dataloader(ids[:split], B, T, seed=args.seed)
     val_loader = create_dataloader(ids[split:], B, T, shuffle=False, drop_last=False)
-    tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"],
-                       eval_every=args.eval_every or 10)
+    tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"])
     print(f"training GPT ({model.num_params() / 1e6:.1f}M parameters, {model.cfg}) on "
           f"The Verdict: {split:,} train / {len(ids) - split:,} val tokens, "
           f"{len(train_loader)} steps per epoch, {tcfg.epochs} epochs, on {device}")
-    step_model = torch.compile(model) if args.compile else model
-    train(step_model, train_loader, val_loader, tcfg, device)
+    train(model, train_loader, val_loader, tcfg, device)
     if args.save:
         save_checkpoint(model, args.save)
         print(f"saved {args.save}")
@@ -2984,8 +2930,6 @@ def main():
         return print("--bench times the CUDA kernels: it needs an NVIDIA GPU (--device cuda)")
     if args.bench:
         return bench_kernels()
-    if args.bench_train:
-        return bench(args, device)
     # every download this run needs, before any work: a missing file stops it here, all named
     files = [data_entry("gpt2.tiktoken", args.data_dir)]
     if args.gpt2:

@@ -2142,7 +2142,7 @@ def bench(args, device):
     T = args.context_length or (1024 if device.type == "cuda" else 128)
     B = args.batch_size or (16 if device.type == "cuda" else 4)
     preset = args.model or ("124M" if device.type == "cuda" else "tiny")
-    steps = args.bench_steps
+    steps = 20
     peak = peak_flops(device)
     print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
           f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
@@ -2221,9 +2221,6 @@ def parse_args():
     parser.add_argument("--context-length", type=positive_int, help="default: the preset's")
     parser.add_argument("--lr", type=positive_float,
                         help="peak learning rate (default: the preset's)")
-    parser.add_argument("--eval-every", type=positive_int,
-                        help="steps between evaluations (default: 10)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--train", action="store_true", help="train first, as stage 03 does")
     parser.add_argument("--save", help="write the trained model to this .safetensors file")
     source = parser.add_mutually_exclusive_group()
@@ -2242,8 +2239,6 @@ def parse_args():
                         "tokens whose probabilities add up to p")
     parser.add_argument("--bench", action="store_true",
                         help="time every kernel against torch, then GPT training throughput")
-    parser.add_argument("--bench-steps", type=positive_int,
-                        help="timed training steps of --bench (default: 20)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
@@ -2256,12 +2251,10 @@ def parse_args():
     slow = INTERPRET and args.kernels == "triton"  # changed in 05: the interpreter is slow
     args.max_new_tokens = args.max_new_tokens or (10 if slow else 40)
     args.temperature = args.temperature or 0.0
-    args.bench_steps = args.bench_steps or 20
     return args
 
 
-TRAINING_FLAGS = ("model", "epochs", "batch_size", "context_length", "lr", "eval_every",
-                  "compile", "save")
+TRAINING_FLAGS = ("model", "epochs", "batch_size", "context_length", "lr", "save")
 SAMPLING_FLAGS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")
 
 
@@ -2276,11 +2269,9 @@ def check_args(parser, args):
 
     loading = args.load or args.gpt2 or args.gpt2_dir
     if args.bench:
-        refuse(("train", "epochs", "lr", "eval_every", "compile", "save", "load", "gpt2",
-                "gpt2_dir", *SAMPLING_FLAGS), "does not apply to --bench")
-    else:
-        refuse(("bench_steps",), "only applies to --bench")
-    if not args.train:
+        refuse(("train", "epochs", "lr", "save", "load", "gpt2", "gpt2_dir", *SAMPLING_FLAGS),
+               "does not apply to --bench")
+    if not args.train and not args.bench:  # --bench reads the model's shape and batch too
         refuse(TRAINING_FLAGS, "only applies with --train")
     elif loading:
         parser.error("--train trains a new model; it does not go with --load, --gpt2 or --gpt2-dir")
@@ -2327,16 +2318,14 @@ def train_model(args, device, tokenizer):
     B = args.batch_size or preset["batch_size"]
     train_loader = create_dataloader(ids[:split], B, T, seed=args.seed)
     val_loader = create_dataloader(ids[split:], B, T, shuffle=False, drop_last=False)
-    tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"],
-                       eval_every=args.eval_every or 10)
+    tcfg = TrainConfig(epochs=args.epochs or preset["epochs"], lr=args.lr or preset["lr"])
     print(f"training GPT ({model.num_params() / 1e6:.1f}M parameters, {model.cfg}) on "
           f"The Verdict: {split:,} train / {len(ids) - split:,} val tokens, "
           f"{len(train_loader)} steps per epoch, {tcfg.epochs} epochs, on {device}")
     if args.kernels == "triton":  # changed in 05: train on the Triton kernels
         use_triton_kernels(model)
-    step_model = torch.compile(model) if args.compile else model
     loss = triton_loss_fn if args.kernels == "triton" else loss_fn
-    train(step_model, train_loader, val_loader, tcfg, device, loss=loss)
+    train(model, train_loader, val_loader, tcfg, device, loss=loss)
     if args.save:
         save_checkpoint(model, args.save)
         print(f"saved {args.save}")

@@ -67,7 +67,8 @@ BAD_FLAGS = [  # (argv, what the error says); "TRAIN" stands for --train where a
     (["--top-p", "1.5"], r"--top-p: must be in \(0, 1\]"),
     (["--gpt2", "124M", "--load", "x.safetensors"], "not allowed with argument"),
     (["--gpt2", "124M", "TRAIN", "--epochs", "2"], "--epochs only applies|--train trains a new"),
-    (["--bench-steps", "5"], "--bench-steps only applies to --bench"),
+    (["--bench-steps", "5"], "--bench-steps only applies to --bench|unrecognized arguments"),
+    (["--train", "--bench"], "--train does not apply to --bench|unrecognized arguments|--train"),
     (["--data-dir", "FILE"], "is a file, not a directory"),
     (["--load", "/nonexistent/m.safetensors"], "no such file"),
     (["--gpt2-dir", "/nonexistent"], "no such directory"),
@@ -87,6 +88,25 @@ def test_a_bad_flag_stops_the_run_before_any_work(stage, monkeypatch, capsys, tm
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+def test_main_trains_saves_and_generates(stage, monkeypatch, capsys, tmp_path):
+    """The training path of each stage's main() on a one-layer model, torch kernels (the Triton
+    ones have their own training tests): it trains, saves a checkpoint that loads, generates."""
+    monkeypatch.setitem(stage.TRAIN_PRESETS["tiny"], "model", dict(n_layer=1, n_head=2, n_embd=16))
+    for demo in ("kernel_chapter", "demo_triton", "attention_chapter"):  # their own tests run them
+        monkeypatch.setattr(stage, demo, lambda *args: True, raising=False)
+    fast = {"05_triton": ["--kernels", "torch"],
+            "06_flash_attention": ["--kernels", "torch", "--attention", "naive"]}
+    ckpt = tmp_path / "m.safetensors"
+    run_main(stage, monkeypatch, *train_flag(stage), *fast.get(stage.__name__[6:], []),
+             "--epochs", "1", "--batch-size", "16", "--context-length", "32", "--save", str(ckpt),
+             "--max-new-tokens", "3", "--device", "cpu")
+    out = capsys.readouterr().out
+    assert "step     9/9 | epoch 1" in out and f"saved {ckpt}" in out, out
+    assert "\ngenerated (3 new tokens, greedy):\nEvery effort moves you" in out
+    loaded = stage.load_checkpoint(ckpt)
+    assert (loaded.cfg.n_layer, loaded.cfg.n_embd, loaded.cfg.context_length) == (1, 16, 32)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -209,10 +229,13 @@ CHANGED = {
     "03_train": {"main": ["test_03_train.py::test_main_trains_saves_and_samples"]},
     "04_cuda_kernels": {
         name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work",
+               "test_carried_forward.py::test_main_trains_saves_and_generates",
                "test_04_cuda_kernels.py::test_script_runs_without_a_gpu"]
-        for name in ("main", "parse_args", "check_args")},
+        for name in ("main", "parse_args", "check_args", "TRAINING_FLAGS", "train_model")},
     "05_triton": {
-        **{name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work"]
+        **{name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work",
+                  "test_carried_forward.py::test_main_trains_saves_and_generates",
+                  "test_05_triton.py::test_main_on_the_cpu"]
            for name in ("main", "parse_args", "check_args", "compare_on_kernels", "train_model")},
         # stage 04's CUDA kernels, redone in Triton under the same names
         "vector_add": ["test_05_triton.py::test_vector_add"],
@@ -221,10 +244,12 @@ CHANGED = {
         "gelu": ["test_05_triton.py::test_gelu"],
         "evaluate": ["test_carried_forward.py::test_evaluate_is_the_mean_cross_entropy"],
         "train": ["test_carried_forward.py::test_train_steps_like_a_plain_adamw_loop"],
-        "bench": ["GPU only: run by --bench"], "bench_kernels": ["GPU only: run by --bench"],
+        "bench_kernels": ["GPU only: run by --bench"],
     },
     "06_flash_attention": {
-        **{name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work"]
+        **{name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work",
+                  "test_carried_forward.py::test_main_trains_saves_and_generates",
+                  "test_06_flash_attention.py::test_main_on_the_cpu"]
            for name in ("main", "parse_args", "check_args", "compare_on_kernels", "train_model")},
         # both skip their range check while a CUDA graph is captured
         "GPT": ["test_06_flash_attention.py::test_gpt_and_loss_still_check_ranges",
