@@ -2170,6 +2170,43 @@ def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, lo, hi, offs_m, T, S, qk_scal
     return acc, m_i, l_i
 
 
+# The forward and the dQ kernel both run one program per (query block, batch * query head) and
+# walk the same keys; these three pieces are theirs in common.
+@triton.jit
+def _query_block_program(Hq, GROUP, CAUSAL: tl.constexpr):
+    """This program's query block and (batch, query head, kv head). Causal: later query blocks see
+    more keys, so they start first and the short ones fill the last wave."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    return pid_m, pid_bh, b, h, h // GROUP
+
+
+@triton.jit
+def _head_desc(base, b, h, stride_b, stride_h, rows, stride_row, D: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Tensor descriptor of head h of batch b, a (rows, D) matrix read BLOCK rows at a time."""
+    return tl.make_tensor_descriptor(base + b * stride_b + h * stride_h, shape=[rows, D],
+                                     strides=[stride_row, 1], block_shape=[BLOCK, D])
+
+
+@triton.jit
+def _key_range(start_m, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full, hi) for the query block at start_m: keys [0, full) are visible to every row of the
+    block; [full, hi) need the mask (the diagonal and the ragged end of S); keys from hi on are
+    visible to none and are skipped. full is a whole number of key blocks."""
+    if CAUSAL:
+        hi = tl.minimum(S, tl.maximum(start_m + BLOCK_M + (S - T), 0))
+        full = tl.minimum(S, tl.maximum(start_m + 1 + (S - T), 0))
+    else:
+        hi = S
+        full = S
+    return full // BLOCK_N * BLOCK_N, hi
+
+
 @triton.autotune(configs=_FWD_CONFIGS, key=["T_BUCKET", "S_BUCKET", "D", "CAUSAL", "EVEN_S"],
                  prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_bench_or_skip)
 @triton.jit(do_not_specialize=["T", "S"])
@@ -2184,38 +2221,18 @@ def _flash_fwd_kernel(Q, K, V, O, LSE2, qk_scale,
     float32: the log-sum-exp in base 2. qk_scale = sm_scale * log2(e). GROUP = Hq // Hkv: query
     head h reads kv head h // GROUP. EVEN_S: S is a multiple of 128, so without the causal mask
     no key block needs masking. T_BUCKET, S_BUCKET: autotune keys only."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        # later query blocks see more keys: start them first, so short ones fill the last wave
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    kvh = h // GROUP
-    # one descriptor per head: (T or S, D) with its row stride
-    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, D],
-                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, D])
-    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[S, D],
-                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, D])
-    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[S, D],
-                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, D])
-    o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[T, D],
-                                       strides=[stride_ot, 1], block_shape=[BLOCK_M, D])
+    pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
+    k_desc = _head_desc(K, b, kvh, stride_kb, stride_kh, S, stride_kt, D, BLOCK_N)
+    v_desc = _head_desc(V, b, kvh, stride_vb, stride_vh, S, stride_vt, D, BLOCK_N)
+    o_desc = _head_desc(O, b, h, stride_ob, stride_oh, T, stride_ot, D, BLOCK_M)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([start_m, 0])  # (BLOCK_M, D), stays on chip for the whole loop
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # Keys [0, full) are visible to every row of this block; [full, hi) need the mask (the
-    # diagonal and the ragged end of S); keys from hi on are visible to none and are skipped.
-    if CAUSAL:
-        hi = tl.minimum(S, tl.maximum(start_m + BLOCK_M + (S - T), 0))
-        full = tl.minimum(S, tl.maximum(start_m + 1 + (S - T), 0))
-    else:
-        hi = S
-        full = S
-    full = full // BLOCK_N * BLOCK_N
+    full, hi = _key_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, 0, full, offs_m, T, S,
                                  qk_scale, BLOCK_N, CAUSAL, False, DOT_PRECISION)
     if CAUSAL or not EVEN_S:
@@ -2376,23 +2393,12 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, qk_scale, sm_scale,
                          D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query block, batch * query head): loops over the visible key blocks."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # longest rows first, as in the forward
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    kvh = h // GROUP
-    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, D],
-                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, D])
-    do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[T, D],
-                                        strides=[stride_dot, 1], block_shape=[BLOCK_M, D])
-    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[S, D],
-                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, D])
-    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[S, D],
-                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, D])
-    dq_desc = tl.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[T, D],
-                                        strides=[stride_dqt, 1], block_shape=[BLOCK_M, D])
+    pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
+    do_desc = _head_desc(DO, b, h, stride_dob, stride_doh, T, stride_dot, D, BLOCK_M)
+    k_desc = _head_desc(K, b, kvh, stride_kb, stride_kh, S, stride_kt, D, BLOCK_N)
+    v_desc = _head_desc(V, b, kvh, stride_vb, stride_vh, S, stride_vt, D, BLOCK_N)
+    dq_desc = _head_desc(DQ, b, h, stride_dqb, stride_dqh, T, stride_dqt, D, BLOCK_M)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([start_m, 0])  # (BLOCK_M, D)
@@ -2400,13 +2406,7 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, qk_scale, sm_scale,
     lse2 = tl.load(LSE2 + pid_bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    if CAUSAL:  # the key ranges of the forward
-        hi = tl.minimum(S, tl.maximum(start_m + BLOCK_M + (S - T), 0))
-        full = tl.minimum(S, tl.maximum(start_m + 1 + (S - T), 0))
-    else:
-        hi = S
-        full = S
-    full = full // BLOCK_N * BLOCK_N
+    full, hi = _key_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)  # as in the forward
     dq = _bwd_dq_loop(dq, q, do, lse2, delta, k_desc, v_desc, 0, full, offs_m, T, S, qk_scale,
                       BLOCK_N, CAUSAL, False, DOT_PRECISION)
     dq = _bwd_dq_loop(dq, q, do, lse2, delta, k_desc, v_desc, full, hi, offs_m, T, S, qk_scale,
