@@ -1,5 +1,6 @@
 // Matrix multiplication in the steps of chapters 11-12: naive, shared-memory tiles, register
-// tiles (fp32), then tensor cores (bf16): mma.sync + ldmatrix fed by cp.async or TMA, and Hopper's wgmma.
+// tiles (fp32), then tensor cores (bf16): mma.sync + ldmatrix fed by cp.async; then, going faster
+// on Hopper, the same kernel fed by TMA, and wgmma.
 // Build: make -C csrc; run: csrc/build/matmul [--check].
 #include "common.cuh"
 #include "harness.cuh"
@@ -167,14 +168,9 @@ __global__ void __launch_bounds__(RT_THREADS, 2)
 // is a warp-wide 16x8x16 product, 4096 FLOPs, where an FFMA is 64 per warp. Feeding it is now
 // the whole job:
 //  - A ring of 3 shared-memory stages keeps two k-tiles in flight while the tensor cores work
-//    on a third. It is filled one of two ways (the template argument):
-//    cp.async (sm_80 and newer): every thread copies its share of 16-byte chunks global ->
-//      shared, with no register round trip, and waits for its own copies;
-//    TMA (sm_90, Hopper): one thread asks the Tensor Memory Accelerator for whole 2-D boxes,
-//      described by "tensor maps" built on the host; they land already swizzled and count their
-//      bytes on an mbarrier, which everyone waits on. The other 255 threads issue no copies and
-//      compute no addresses. At 4096^3 on the H200: about 0.4x cuBLAS with cp.async, 0.55x
-//      with TMA.
+//    on a third. cp.async (sm_80 and newer) fills it: every thread copies its share of 16-byte
+//    chunks global -> shared, with no register round trip, and waits for its own copies. (The
+//    template argument TMA swaps in Hopper's copy engine: "Going faster on Hopper", below.)
 //  - ldmatrix loads a warp's operand fragments from shared memory in the exact register layout
 //    mma expects (.trans transposes B, stored k-major, on the way); the fragments of the next
 //    k-step of 16 are loaded while the mma of this one run.
@@ -185,6 +181,7 @@ __global__ void __launch_bounds__(RT_THREADS, 2)
 //  - A block computes a 128x256 tile of C with 8 warps, each a 64x64 tile: per k-step of 16 a
 //    warp loads 4 A and 8 B fragments with 8 ldmatrix and issues 32 mma.
 //  - Blocks walk the tiles in groups of 8 block-rows (grouped_tile below).
+// At 4096^3 on the H200 this kernel runs at about 0.4x cuBLAS.
 // Needs K % 8 == 0, N % 8 == 0 and 16-byte-aligned A and B (whole 16-byte chunks per row, and
 // TMA's rule for strides and addresses); M is free. Needs sm_80 or newer.
 constexpr int TC_BM = 128, TC_BN = 256, TC_BK = 64;  // block tile of C, and the k-step (one 128-byte row)
@@ -217,6 +214,38 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
 }
 
+// Four 8x8 bf16 matrices: lane l gives the address of row l % 8 of matrix l / 8 and receives,
+// in r[j], two elements of matrix j (row l / 4, columns 2 (l % 4) and +1); .trans transposes.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr)
+                 : "memory");
+}
+
+// d (16x8 fp32) += a (16x16 bf16, row-major fragment) * b (16x8 bf16, column-major fragment).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte chunk `chunk` (0-7) of row `row` in a tile of 128-byte rows.
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
+    return static_cast<uint32_t>(row * 8 + (chunk ^ (row % 8))) * 16;
+}
+
+// The primitives of the Hopper feed, used only when the kernel's template argument TMA is true
+// ("Going faster on Hopper", below, says what they buy).
 // TMA and mbarriers exist from sm_90 on; built for an older GPU these compile to nothing, and
 // the launchers never pick the TMA kernels there.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -268,36 +297,6 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
         "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
         : "memory");
 #endif
-}
-
-// Four 8x8 bf16 matrices: lane l gives the address of row l % 8 of matrix l / 8 and receives,
-// in r[j], two elements of matrix j (row l / 4, columns 2 (l % 4) and +1); .trans transposes.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr)
-                 : "memory");
-}
-
-// d (16x8 fp32) += a (16x16 bf16, row-major fragment) * b (16x8 bf16, column-major fragment).
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Byte offset of 16-byte chunk `chunk` (0-7) of row `row` in a tile of 128-byte rows.
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-    return static_cast<uint32_t>(row * 8 + (chunk ^ (row % 8))) * 16;
 }
 
 // With TMA the tensor maps describe A and B (the pointers are unused), without it the pointers
@@ -419,13 +418,25 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     }
 }
 
+// ---- Going faster on Hopper (sm_90) ----
+// Fed by cp.async, step 4 reaches about 0.4x cuBLAS, and all 256 of its threads compute the
+// address of every 16-byte chunk they copy. Hopper adds two things:
+// (a) TMA, the Tensor Memory Accelerator, feeding the same kernel (template argument TMA, which
+//     launch_matmul_tensor_core picks on sm_90): one thread asks it for whole 2-D boxes,
+//     described by "tensor maps" built on the host (make_tensor_map, with the launchers); they
+//     land already swizzled and count their bytes on an mbarrier, which everyone waits on. The
+//     other 255 threads issue no copies and compute no addresses. It reaches 0.55x cuBLAS.
+// (b) wgmma, step 5: a warpgroup issues 64x256x16 products that the tensor cores read straight
+//     from shared memory, asynchronously, with no ldmatrix and no register fragments. Fed by TMA
+//     it reaches 0.88x cuBLAS.
+
 // Step 5 (Hopper only, sm_90a), wgmma: a warpgroup (4 warps, 128 threads) issues one
 // asynchronous 64x256x16 product straight from shared memory, 524288 FLOPs per instruction,
 // no ldmatrix: the tensor cores read the operands themselves through 64-bit "matrix
 // descriptors" (address, strides, swizzle mode). Both operands must be K-major in shared memory,
 // so this kernel takes B transposed, as W (N, K) row-major (the layout of nn.Linear's weight)
 // and computes C = A @ W^T. A block is 2 warpgroups, each a 64x256 slice of a 128x256 tile of C
-// (128 fp32 accumulators per thread). Tiles arrive by TMA as in step 4, in the layout the tensor
+// (128 fp32 accumulators per thread). Tiles arrive by TMA as in (a), in the layout the tensor
 // cores read: rows of 64 bf16 (128 bytes), 16-byte chunk c of row r at c ^ (r % 8), 8-row groups
 // 1024 bytes apart, each stage 1024-byte aligned. The ring has 4 stages but prefetches only 2
 // ahead, so one k-tile's wgmmas can still be running when the next k-tile's are issued: the
