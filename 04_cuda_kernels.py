@@ -1119,7 +1119,9 @@ constexpr int TC_SMEM_BYTES = TC_STAGES * TC_STAGE_BYTES + 1024;  // 145 KB (+ r
 // Blocks walk the tiles of C in groups of 8 block-rows (Triton's grouped ordering): block b's
 // tile (row0, col0), going down a group's 8 block-rows before the next column, so the A rows and
 // B columns that neighbouring blocks share are still in L2.
-__device__ __forceinline__ int2 grouped_tile(int block, int M, int N, int BM, int BN) {
+// (block is unsigned, as blockIdx.x is: the divisions by group stay unsigned, which take fewer
+// instructions than signed ones.)
+__device__ __forceinline__ int2 grouped_tile(unsigned block, int M, int N, int BM, int BN) {
     const int grid_m = static_cast<int>(ceil_div(M, BM)), grid_n = static_cast<int>(ceil_div(N, BN));
     const int group = 8 * grid_n, first_m = block / group * 8, group_m = min(grid_m - first_m, 8);
     return make_int2((first_m + block % group % group_m) * BM, block % group / group_m * BN);

@@ -637,50 +637,8 @@ def load_gpt2(path_or_size, device="cpu", data_dir=None):
 # sees logits (rows, V), V the vocabulary.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRET = tl.constexpr(INTERPRET)  # kernels can read module globals only when they are constexpr
-
-if INTERPRET:
-    # Triton 3.6's interpreter hands scalar arguments to a kernel as 1-element arrays and turns loop
-    # bounds into ints with int(array), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed
-    # after 3.6). Convert through .item() instead; every other piece of the interpreter is untouched.
-    from triton.runtime import interpreter as _interpreter
-
-    _patch_lang_tensor = _interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor_item(tensor, scope):
-        _patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    _interpreter._patch_lang_tensor = _patch_lang_tensor_item
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_tensor(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
-    """Raise a clear error unless `t` is a tensor these kernels can take. rows: the kernel reads `t`
-    as rows along its last dimension, so `t` needs one."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, dtypes))}")
-    if t.device.type != "cuda" and not (t.device.type == "cpu" and INTERPRET):
-        raise ValueError(f"{name} is on {t.device}: the Triton kernels take CUDA tensors (CPU tensors "
-                         "only under the interpreter, TRITON_INTERPRET=1 set before triton is imported)")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-    if t.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
-    if rows and t.dim() == 0:
-        raise ValueError(f"{name} is 0-dim; expected at least 1 dimension (the kernel works along the last)")
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device):
-    """Streaming multiprocessors of `device`; 1 for the interpreter, which runs programs one by one."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels take
+# The kernels' input checks (_check_tensor) and the interpreter patch are plumbing, at the end.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1953,6 +1911,53 @@ def bench_kernels():
     copy_gbs = _bench_copy_gbs()
     return {"copy_gbs": copy_gbs, "bandwidth": _bench_bandwidth(copy_gbs), "matmul": _bench_matmul(),
             "cross_entropy": _bench_cross_entropy()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Plumbing for the Triton kernels: input checks, SM count, the interpreter patch
+# ----------------------------------------------------------------------------------------------
+
+def _check_tensor(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
+    """Raise a clear error unless `t` is a tensor these kernels can take. rows: the kernel reads `t`
+    as rows along its last dimension, so `t` needs one."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, dtypes))}")
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and INTERPRET):
+        raise ValueError(f"{name} is on {t.device}: the Triton kernels take CUDA tensors (CPU tensors "
+                         "only under the interpreter, TRITON_INTERPRET=1 set before triton is imported)")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if rows and t.dim() == 0:
+        raise ValueError(f"{name} is 0-dim; expected at least 1 dimension (the kernel works along the last)")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device):
+    """Streaming multiprocessors of `device`; 1 for the interpreter, which runs programs one by one."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+if INTERPRET:
+    # Triton 3.6's interpreter hands scalar arguments to a kernel as 1-element arrays and turns loop
+    # bounds into ints with int(array), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed
+    # after 3.6). Convert through .item() instead; every other piece of the interpreter is untouched.
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_item(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor_item
 
 
 # ----------------------------------------------------------------------------------------------
