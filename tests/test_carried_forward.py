@@ -11,6 +11,7 @@ The command line, the data files, the loaders and the training loop are tested h
 stage. Everything runs on the CPU in seconds; the work a bad flag must never reach (downloads,
 training) is replaced by a function that fails the test if it is called.
 """
+import argparse
 import ast
 import copy
 import re
@@ -115,6 +116,23 @@ def test_asking_for_cuda_without_a_gpu(stage, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         run_main(stage, monkeypatch, "--device", "cuda")
     assert "this machine has no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["01_tensors", "02_gpt", *STAGES])
+def test_every_flag_has_help(name, monkeypatch, capsys):
+    """`--help` of every stage says what each flag does."""
+    stage, flags = load_stage(name), []
+    original = argparse._ActionsContainer.add_argument  # parsers and their groups
+
+    def record(parser, *args, **kwargs):
+        flags.append((args[0], kwargs.get("help")))
+        return original(parser, *args, **kwargs)
+
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", record)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+    with pytest.raises(SystemExit):
+        stage.main(["--help"]) if name == "01_tensors" else stage.main()
+    assert len(flags) > 2 and [flag for flag, text in flags if not text and flag != "-h"] == []
 
 
 def test_a_prompt_longer_than_the_context_stops_before_training(stage, monkeypatch, capsys):
