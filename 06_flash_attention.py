@@ -11,8 +11,8 @@ What this stage teaches
     The GPT trains and generates with it (`--attention flash`, the default).
 
 New since stage 05: chapter 15, `--attention`, the twins `FlashAttention` and `SDPAAttention`
-with `use_attention` / `use_flash_attention`, and
-`attention_chapter`, which the default run prints after stage 05's kernel check: the online
+with `use_attention` / `use_flash_attention`, and `attention_chapter`, which the default run
+prints after stage 05's kernel check: the online
 softmax of one row block by block, the naive, tiled and flash attentions' errors against a
 float64 reference, and the bytes of the score matrix against what the flash forward keeps;
 `cuda_graph_step`, which captures a whole training step (forward, backward, clipping, AdamW) in
