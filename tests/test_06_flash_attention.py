@@ -375,6 +375,35 @@ def test_gpu_cuda_graph_step_matches_launched_steps(fa):
         assert rel_err(p, ref) < 2e-3
 
 
+# Each tile configuration the autotuner may pick, pinned alone, on the shapes that take every path
+# of its kernel: S a multiple of 128 (the forward's single key loop), and ragged T and S under
+# the causal mask, with GQA. One configuration of Triton's warp-specialized loop returned NaN on the H200, and a
+# wrong tile choice shows only at real sizes; the autotuner would hide it behind a faster one.
+PINNED_CASES = [(1, 4, 2, 1024, 1024, False), (1, 4, 2, 1000, 1500, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel, configs", [("_flash_fwd_kernel", "_FWD_CONFIGS"),
+                                             ("_flash_bwd_dkdv_kernel", "_DKDV_CONFIGS"),
+                                             ("_flash_bwd_dq_kernel", "_DQ_CONFIGS")])
+def test_gpu_every_tile_configuration(fa, monkeypatch, kernel, configs):
+    tuner = getattr(fa, kernel)
+    for config in getattr(fa, configs):
+        monkeypatch.setattr(tuner, "configs", [config])
+        monkeypatch.setattr(tuner, "cache", {})
+        for B, Hq, Hkv, T, S, causal in PINNED_CASES:
+            for D in config.head_dims:
+                q, k, v = make_qkv(B, Hq, Hkv, T, S, D, torch.bfloat16, seed=T + D)
+                out = fa.flash_attention(q, k, v, causal=causal)
+                dout = torch.randn_like(out)
+                out.backward(dout)
+                ref_out, _, ref_grads = reference(fa, q, k, v, causal, None, dout, torch.float32)
+                where = f"{config} D={D} T={T} S={S} causal={causal}"
+                assert rel_err(out, ref_out) < GPU_TOL[torch.bfloat16][0], where
+                for ours, ref in zip((q.grad, k.grad, v.grad), ref_grads):
+                    assert torch.isfinite(ours).all() and rel_err(ours, ref) < GPU_TOL[torch.bfloat16][1], where
+
+
 @pytest.mark.gpu
 def test_gpu_fully_masked_rows(fa):
     q, k, v = make_qkv(2, 4, 2, 1000, 300, 128, torch.bfloat16)
