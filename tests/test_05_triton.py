@@ -356,6 +356,28 @@ def test_matmul_tma_layouts(s, gen, a_t, b_t):
                 [a, b, bias], TOL[torch.bfloat16], gen)
 
 
+@pytest.mark.parametrize("m,k,n", [(24, 4096, 40), (4096, 24, 40)])
+def test_matmul_split_k(s, gen, m, k, n):
+    # K = 4,096 over few tiles: the forward (first case) or the weight's gradient a.t() @ dout
+    # (second) cuts K in two, sums the fp32 parts in the second kernel and applies its epilogue
+    assert s._split_k(24, 40, 4096, 2) == 2 and s._split_k(4096, 40, 24, 2) == 1
+    a, b = tma_operands(s, gen, m, k, n, False, False, torch.bfloat16)
+    bias = randn(gen, n, dtype=torch.bfloat16)
+    check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
+                [a, b, bias], TOL[torch.bfloat16], gen)
+
+
+def test_split_k_counts(s):
+    # parts of K that finish soonest on 132 SMs, for GPT-2 124M's training products at 16,384
+    # tokens (weight gradients: 768 x N summed over the tokens) and for square ones
+    assert s._split_k(768, 3072, 16384, 132) == 3  # 72 tiles: 216 items in 2 waves of 1/3
+    assert s._split_k(768, 2304, 16384, 132) == 2  # 54 tiles: 108 items in one wave
+    assert s._split_k(768, 768, 16384, 132) == 4   # 18 tiles
+    assert s._split_k(4096, 4096, 4096, 132) == 1  # 512 tiles fill the SMs
+    assert s._split_k(1024, 1024, 1024, 132) == 1  # parts would be shorter than 2,048
+    assert s._split_k(16384, 768, 3072, 132) == 1
+
+
 def test_matmul_tma_declines(s):
     # what TMA cannot read goes to the pointer kernel: fp32, rows of 7 bf16 (14 bytes), no unit stride
     x = torch.zeros(8, 16, dtype=torch.bfloat16)
