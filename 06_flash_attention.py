@@ -944,9 +944,9 @@ def _column_sum(x, dtype):
 
 class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, stats):  # x (rows, N); stats: keep mean, rstd for backward
+    def forward(ctx, x, weight, bias, eps, rms, stats, out_dtype):  # x (rows, N); stats: keep mean, rstd for backward
         n_rows, n_cols = x.shape
-        y = torch.empty_like(x)
+        y = torch.empty_like(x, dtype=out_dtype)
         mean = None if rms or not stats else torch.empty(n_rows, device=x.device, dtype=torch.float32)
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32) if stats else None
         args = (x, weight, bias, y, mean, rstd, eps)
@@ -993,7 +993,7 @@ class _Norm(torch.autograd.Function):
             _norm_bwd_kernel[(programs,)](*args, RMS=ctx.rms, ROWS=rows, BLOCK_N=block_n, num_warps=warps)
         dw = _column_sum(dw_part, weight.dtype)
         db = None if bias is None else _column_sum(db_part, bias.dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _needs_stats(*tensors):
@@ -1012,19 +1012,20 @@ def _check_norm(x, weight, bias):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
 
 
-def layer_norm(x, weight, bias, eps=1e-5):
+def layer_norm(x, weight, bias, eps=1e-5, out_dtype=None):
     """LayerNorm of x (..., N) over its last dimension, weight and bias (N,) (bias may be None).
-    Statistics in fp32; y in x's dtype. weight and bias may be in another float dtype than x."""
+    Statistics in fp32; y in out_dtype (default: x's). weight and bias may be in another float
+    dtype than x."""
     _check_norm(x, weight, bias)
     stats = _needs_stats(x, weight, bias)
-    return _Norm.apply(x.view(-1, x.shape[-1]), weight, bias, eps, False, stats).view(x.shape)
+    return _Norm.apply(x.view(-1, x.shape[-1]), weight, bias, eps, False, stats, out_dtype).view(x.shape)
 
 
 def rms_norm(x, weight, eps=1e-6):
     """RMSNorm of x (..., N): x / sqrt(mean(x^2) + eps) * weight, weight (N,)."""
     _check_norm(x, weight, None)
     stats = _needs_stats(x, weight)
-    return _Norm.apply(x.view(-1, x.shape[-1]), weight, None, eps, True, stats).view(x.shape)
+    return _Norm.apply(x.view(-1, x.shape[-1]), weight, None, eps, True, stats, None).view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1580,7 +1581,10 @@ def cross_entropy(logits, targets, ignore_index=-100, inplace_backward=False):
 
 class TritonLayerNorm(LayerNorm):
     def forward(self, x):
-        return layer_norm(x, self.weight, self.bias, self.eps)
+        # Under autocast only a matmul reads y, and it would cast y to bf16 first: write y in
+        # bf16 at once, which saves that cast kernel and half of y's bytes
+        dtype = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else None
+        return layer_norm(x, self.weight, self.bias, self.eps, out_dtype=dtype)
 
 
 class TritonGELU(GELU):
@@ -1900,18 +1904,30 @@ def _bench_bandwidth(copy_gbs, rows=(1024, 4096, 16384), flat=(4096,)):
     return results
 
 
-def _bench_matmul(shapes=(((4096, 4096, 4096), False), ((8192, 8192, 8192), False), ((16384, 3072, 768), True)),
-                  rounds=3):
-    """bf16 matmul against cuBLAS; with the fused bias + GELU epilogue (the last default shape, GPT-2's
-    MLP up-projection at 16,384 tokens) against eager and compiled torch. shapes: ((M, N, K), epilogue).
-    Each contender is timed `rounds` times, the rounds interleaved, and its median kept: one timing
-    of cuBLAS at 4096^3 can move by 10% between back-to-back calls of do_bench."""
-    print(f"\n{'matmul (bf16)':<34} | {'cuBLAS TFLOP/s':>15} {'compile TFLOP/s':>16} {'triton TFLOP/s':>15}"
-          " | triton/cuBLAS")
+# (M, N, K), how a and b are stored (t: as the transpose of a row-major tensor), fused bias + GELU
+_MATMUL_SHAPES = [((n, n, n), "nn", False) for n in (1024, 2048, 4096, 8192)] + [
+    ((16384, 3072, 768), "nt", True),   # GPT-2's MLP up-projection at 16,384 tokens: x @ W.t()
+    ((16384, 768, 3072), "nt", False),  # its down-projection,
+    ((16384, 3072, 768), "nn", False),  # the down-projection's input gradient: dy @ W,
+    ((3072, 768, 16384), "tn", False),  # and its weight gradient: dy.t() @ x (split-K)
+]
+
+
+def _bench_matmul(shapes=_MATMUL_SHAPES, rounds=3):
+    """bf16 matmul against cuBLAS (and, with the fused bias + GELU epilogue, against compiled
+    torch), launched from Python and replayed in a CUDA graph. Launched, a call costs ~90 us of
+    Python (autotuner lookup, launch, the wrapper's checks) against ~14 for torch's, which caps
+    the rate of small products whatever the kernel does; in a graph only the GPU's time counts.
+    Each contender is timed `rounds` times, interleaved, and its median kept: one timing of
+    cuBLAS at 4096^3 can move by 10% between back-to-back calls of do_bench."""
+    print(f"\n{'matmul (bf16)':<30} | {'cuBLAS':>7} {'compile':>7} {'triton':>7} {'x':>5} | "
+          f"{'in a CUDA graph:':>16} {'cuBLAS':>7} {'triton':>7} {'x':>5}   (TFLOP/s)")
     results = []
-    for (m, n, k), epilogue in shapes:
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+    for (m, n, k), layout, epilogue in shapes:
+        a = torch.randn(k, m, device="cuda", dtype=torch.bfloat16).t() if layout[0] == "t" else \
+            torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if layout[1] == "t" else
+             torch.randn(k, n, device="cuda", dtype=torch.bfloat16)) / math.sqrt(k)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         if epilogue:
             torch_fn = lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")  # noqa: E731
@@ -1921,14 +1937,18 @@ def _bench_matmul(shapes=(((4096, 4096, 4096), False), ((8192, 8192, 8192), Fals
         torch.compiler.reset()
         compiled = torch.compile(torch_fn) if epilogue else None  # plain matmul: compile calls cuBLAS too
         fns = {label: f for label, f in (("cublas", torch_fn), ("compile", compiled), ("triton", ours_fn)) if f}
-        times = {label: [] for label in fns}
+        times = {label: [] for label in [*fns, "cublas graph", "triton graph"]}
         for _ in range(rounds):
             for label, f in fns.items():
                 times[label].append(_ms(f))
+            for label in ("cublas", "triton"):
+                times[label + " graph"].append(triton.testing.do_bench_cudagraph(fns[label], return_mode="median"))
         tflops = {label: 2 * m * n * k / statistics.median(t) / 1e9 for label, t in times.items()}
-        label = f"{m}x{n}x{k}" + (" +bias+GELU" if epilogue else "")
-        print(f"{label:<34} | {tflops['cublas']:>15,.0f} {tflops.get('compile', float('nan')):>16,.0f} "
-              f"{tflops['triton']:>15,.0f} | {tflops['triton'] / tflops['cublas']:.2f}x")
+        label = f"{m}x{n}x{k} {layout}" + (" +bias+GELU" if epilogue else "")
+        print(f"{label:<30} | {tflops['cublas']:>7,.0f} {tflops.get('compile', float('nan')):>7,.0f} "
+              f"{tflops['triton']:>7,.0f} {tflops['triton'] / tflops['cublas']:>4.2f}x | {'':>16} "
+              f"{tflops['cublas graph']:>7,.0f} {tflops['triton graph']:>7,.0f} "
+              f"{tflops['triton graph'] / tflops['cublas graph']:>4.2f}x")
         results.append({"shape": label, **tflops})
     return results
 
@@ -2535,15 +2555,24 @@ def _flash_forward(q, k, v, causal, sm_scale):
     return out, lse2
 
 
+def _empty_grad(x):
+    """An empty tensor for the gradient of x (B, H, T, D), in x's memory order: (B, T, H, D) when
+    x's heads sit side by side in its rows (the GPT's views of its (B, T, 3C) projection). The
+    gradients then flow back through the model's head split as views; in (B, H, T, D) order each
+    costs a transposing copy (3 a layer: 1.3 ms of a 42 ms GPT-2 124M step on the H200)."""
+    B, H, T, D = x.shape
+    if x.stride(1) < x.stride(2):
+        return torch.empty(B, T, H, D, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)
+
+
 def _flash_backward(dout, q, k, v, out, lse2, causal, sm_scale):
     """dq (B, Hq, T, D) and dk, dv (B, Hkv, S, D) for dout (B, Hq, T, D)."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     dout = _kernel_ready(dout)
     delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq, dk, dv = _empty_grad(q), _empty_grad(k), _empty_grad(v)
     _bwd_preprocess_kernel[(triton.cdiv(T, 64), B * Hq)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, T, D=D, BLOCK_M=64)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])

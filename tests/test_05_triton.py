@@ -166,6 +166,16 @@ def test_layer_norm_mixed_dtypes(s, gen):
             TOL[torch.bfloat16], gen)
 
 
+@pytest.mark.parametrize("n", [67, 3000])
+def test_layer_norm_out_dtype(s, gen, n):
+    # fp32 activations, y written in bf16 (what TritonLayerNorm does under autocast), fused and
+    # streamed rows: y is the fp32 result rounded once; gradients in the inputs' dtype
+    x, w, b = randn(gen, 5, n, scale=2.0) + 1.0, randn(gen, n) + 1.0, randn(gen, n)
+    check_close(lambda x, w, b: s.layer_norm(x, w, b, out_dtype=torch.bfloat16),
+                lambda x, w, b: F.layer_norm(x, (n,), w, b), [x, w, b], TOL[torch.bfloat16], gen,
+                out_dtype=torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------------------
 # row kernels: every code path, tiny variances, extreme values
 # ------------------------------------------------------------------------------------------------

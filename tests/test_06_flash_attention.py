@@ -204,6 +204,11 @@ def test_gpt_layout_views(fa):
     assert out.transpose(1, 2).is_contiguous()  # merging heads back to (B, T, C) is a view
     ref_qkv_grad = torch.cat([g.transpose(1, 2).reshape(B, T, H * D) for g in ref_grads], dim=2)
     assert rel_err(qkv.grad, ref_qkv_grad) < F32_TOL
+    # the gradients come back in the same (B, T, H, D) order, so the head split's backward is views
+    _, lse = fa.flash_attention_with_lse(q, k, v, causal=True)
+    grads = fa._flash_backward(dout, q, k, v, out, lse / fa.LN2, True, D ** -0.5)
+    assert all(g.transpose(1, 2).is_contiguous() for g in grads)
+    assert fa._empty_grad(torch.empty(B, H, T, D)).is_contiguous()  # other layouts: contiguous
 
 
 @pytest.mark.parametrize("bad, error, match", [
