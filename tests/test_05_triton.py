@@ -731,6 +731,18 @@ def test_matmul_tma_gpu(s, gen, a_t, b_t):
 
 
 @pytest.mark.gpu
+def test_matmul_split_k_gpu(s, gen):
+    # a weight's gradient in GPT-2 124M's training, dy.t() @ x: (3,072 x 16,384) @ (16,384 x 768),
+    # 72 tiles of 128 x 256 on 132 SMs, so K is cut in 3; with the fused epilogue, and backward
+    dy = randn(gen, 16384, 3072, dtype=torch.bfloat16)
+    x = randn(gen, 16384, 768, dtype=torch.bfloat16, scale=16384 ** -0.5)
+    assert s._split_k(3072, 768, 16384, s._num_sms(dy.device)) == 3
+    bias = randn(gen, 768, dtype=torch.bfloat16)
+    check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
+                [dy.t(), x, bias], TOL[torch.bfloat16], gen)
+
+
+@pytest.mark.gpu
 def test_matmul_gpu_large(s, gen):
     a, b = randn(gen, 4096, 4096, dtype=torch.bfloat16), randn(gen, 4096, 4096, dtype=torch.bfloat16, scale=1 / 64)
     poison_cache(a)
