@@ -145,8 +145,11 @@ class Qwen3Config:
         values = {name: hf[name] for name in ("vocab_size", "hidden_size", "intermediate_size",
                                               "num_hidden_layers", "num_attention_heads")}
         # absent keys take transformers' defaults
-        values["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-        values["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        def given(key, default):
+            return default if hf.get(key) is None else hf[key]
+
+        values["num_key_value_heads"] = given("num_key_value_heads", hf["num_attention_heads"])
+        values["head_dim"] = given("head_dim", hf["hidden_size"] // max(hf["num_attention_heads"], 1))
         values["rms_norm_eps"] = hf.get("rms_norm_eps", 1e-6)
         values["max_position_embeddings"] = hf.get("max_position_embeddings", 32768)
         values["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
@@ -320,8 +323,8 @@ def read_weights(folder, expected, device, dtype):
     tensors will do), each read once from its memory-mapped file and converted straight to
     `device` and `dtype`. A missing, unexpected or misshapen tensor is a DataError naming it."""
     where = _weight_map(folder)
-    if "lm_head.weight" not in expected:  # tied: the head is the embedding (transformers ignores
-        where.pop("lm_head.weight", None)  # a stored copy the same way)
+    # tied, but the checkpoint stores the head as well: checked below to be the embedding
+    stored_head = "lm_head.weight" not in expected and where.pop("lm_head.weight", None)
     missing, unexpected = sorted(set(expected) - set(where)), sorted(set(where) - set(expected))
     if missing or unexpected:
         raise DataError(f"{folder}: the weights do not match config.json: missing tensors "
@@ -339,6 +342,12 @@ def read_weights(folder, expected, device, dtype):
                     raise DataError(f"{folder / file}: tensor {name!r} has shape {shape}; "
                                     f"config.json implies {tuple(expected[name].shape)}")
                 state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if stored_head:
+        with _open_safetensors(folder / stored_head) as f:
+            head = f.get_tensor("lm_head.weight").to(device=device, dtype=dtype)
+        if not torch.equal(head, state["model.embed_tokens.weight"]):
+            raise DataError(f"{folder}: config.json ties the output layer to the embedding, but "
+                            f"the stored lm_head.weight differs from model.embed_tokens.weight")
     return state
 
 
