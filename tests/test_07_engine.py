@@ -501,7 +501,7 @@ class BPETokenizer:
     """Chapter 16's interface over a small byte-level BPE trained with `tokenizers` on one
     sentence: 32 ids, fewer than the model's 131 (the ids past them decode to nothing)."""
 
-    def __init__(self, eos_token_ids=()):
+    def __init__(self):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         self.tok = Tokenizer(models.BPE())
@@ -509,7 +509,7 @@ class BPETokenizer:
         self.tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<|endoftext|>"])
         self.tok.train_from_iterator(["the cat sat on the mat, the dog sat on the log"] * 5, trainer)
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = set()
 
     def encode(self, text):
         return self.tok.encode(text).ids
@@ -518,24 +518,40 @@ class BPETokenizer:
         return self.tok.decode(ids)
 
 
+class SpelledIds:
+    """A tokenizer that knows every id: decode spells the ids out."""
+
+    def __init__(self, eos_token_ids):
+        self.eos_token_ids = set(eos_token_ids)
+
+    def encode(self, text):
+        return [int(word) for word in text.split()]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
 def test_finish_reasons_and_text(q7, hf_dir):
     model = q7.load_qwen3(hf_dir[1], device="cpu")
     greedy = q7.SamplingParams(temperature=0, max_tokens=10)
     tokens = q7.LLM(model, max_model_len=40).generate(PROMPTS[0], greedy)[0].token_ids
     stop = tokens[3]
     first = tokens.index(stop)
-    tokenizer = BPETokenizer(eos_token_ids=[stop])
-    llm = q7.LLM(model, tokenizer=tokenizer, max_model_len=40)
+    spelled = SpelledIds(eos_token_ids=[stop])
+    llm = q7.LLM(model, tokenizer=spelled, max_model_len=40)
     out = llm.generate([PROMPTS[0]], greedy)[0]  # the eos id ends it, and is not in the text
     assert (out.token_ids, out.finish_reason) == (tokens[:first + 1], "stop")
-    assert out.text == tokenizer.decode(tokens[:first])
+    assert out.text == spelled.decode(tokens[:first])
     out = llm.generate([PROMPTS[0]], q7.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
-    assert (out.token_ids, out.finish_reason, out.text) == (tokens, "length", tokenizer.decode(tokens))
+    assert (out.token_ids, out.finish_reason, out.text) == (tokens, "length", spelled.decode(tokens))
     other = tokens[5] if tokens[5] != stop else tokens[6]
-    out = q7.LLM(model, max_model_len=40).generate(  # a stop id, without a tokenizer
+    out = q7.LLM(model, tokenizer=SpelledIds([]), max_model_len=40).generate(  # a stop id
         [PROMPTS[0]], q7.SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[other]))[0]
-    assert (out.token_ids, out.finish_reason) == (tokens[:tokens.index(other) + 1], "stop")
-    out = llm.generate("the cat sat", q7.SamplingParams(max_tokens=None, ignore_eos=True, seed=1))[0]
+    end = tokens.index(other)
+    assert (out.token_ids, out.finish_reason, out.text) == (tokens[:end + 1], "stop", spelled.decode(tokens[:end]))
+    tokenizer = BPETokenizer()
+    llm = q7.LLM(model, tokenizer=tokenizer, max_model_len=40)
+    out = llm.generate("the cat sat", q7.SamplingParams(max_tokens=None, seed=1))[0]
     assert out.prompt_token_ids == tokenizer.encode("the cat sat")
     assert len(out.prompt_token_ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
     assert out.text == tokenizer.decode(out.token_ids)
