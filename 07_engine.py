@@ -39,7 +39,8 @@ Run
                                          # Qwen/Qwen3-0.6B (downloaded into data/hub/)
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
 through Triton's interpreter), greedy and sampled generations, batched against one by one, and
-decode tokens/s. Prompts are token ids in this part; the tokenizer and chat template come next.
+decode tokens/s. Prompts are token ids in this part: the tokenizer and chat template (chapter
+16) and structured output (the rest of chapter 34) come next, in the sections marked for them.
 """
 
 import argparse
@@ -139,17 +140,14 @@ class Qwen3Config:
         """The config of a Hugging Face config.json. Anything this model does not implement
         (another architecture, RoPE scaling, sliding windows, biases) is an error naming the
         key, never silently ignored."""
-        hf = read_hf_config(path, ("vocab_size", "hidden_size", "intermediate_size",
-                                   "num_hidden_layers", "num_attention_heads"))
+        # required: what transformers would fill in from defaults that are no model's shape
+        # (head_dim 128 whatever the width, 32 kv heads)
+        shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim")
+        hf = read_hf_config(path, shape)
         _check_supported(hf, path)
-        values = {name: hf[name] for name in ("vocab_size", "hidden_size", "intermediate_size",
-                                              "num_hidden_layers", "num_attention_heads")}
-        # absent keys take transformers' defaults
-        def given(key, default):
-            return default if hf.get(key) is None else hf[key]
-
-        values["num_key_value_heads"] = given("num_key_value_heads", hf["num_attention_heads"])
-        values["head_dim"] = given("head_dim", hf["hidden_size"] // max(hf["num_attention_heads"], 1))
+        values = {name: hf[name] for name in shape}
+        # optional, with transformers' defaults
         values["rms_norm_eps"] = hf.get("rms_norm_eps", 1e-6)
         values["max_position_embeddings"] = hf.get("max_position_embeddings", 32768)
         values["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
@@ -180,6 +178,8 @@ def _rope_theta(hf, path):
         if kind != "default":
             raise DataError(f"{path}: {key} asks for RoPE type {kind!r}; this stage implements "
                             f"plain RoPE only (remove it to run at the original context length)")
+        if value.get("partial_rotary_factor", 1.0) != 1.0:
+            raise DataError(f"{path}: {key} rotates part of each head only; this stage rotates all")
     if params is not None and "rope_theta" in params:
         return params["rope_theta"]
     return hf.get("rope_theta", 10000.0)
@@ -194,6 +194,8 @@ def _check_supported(hf, path):
         ("use_sliding_window", bool(hf.get("use_sliding_window")), "attention is full"),
         ("layer_types", any(kind != "full_attention" for kind in hf.get("layer_types") or ()),
          "every layer is full attention"),
+        ("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0) != 1.0,
+         "RoPE turns every pair of a head"),
     ]
     for key, bad, why in refused:
         if bad:
@@ -823,8 +825,8 @@ def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, lo, hi, offs_m, T, S, qk_scal
     return acc, m_i, l_i
 
 
-# The forward and the dQ kernel both run one program per (query block, batch * query head) and
-# walk the same keys; these three pieces are theirs in common.
+# The forward's prologue: one program per (query block, batch * query head), and the keys it
+# walks (stage 06's dQ kernel shared these three pieces).
 @triton.jit
 def _query_block_program(Hq, GROUP, CAUSAL: tl.constexpr):
     """This program's query block and (batch, query head, kv head). Causal: later query blocks see
@@ -1151,7 +1153,7 @@ def _check_ids(ids, vocab_size):
 # before it: O(n^2) work for n tokens. They never change (a causal model's token t depends on
 # tokens <= t only), so compute each once and keep it: a decode step then runs the model on one
 # token a row and reads the rest from the cache. Per token the cache holds 2 * L * Hkv * D values:
-# 114 KB for Qwen3-0.6B in bf16 (28 x 8 x 128 x 2 x 2 bytes), 144 KB for Qwen3-8B; grouped-query
+# 112 KiB for Qwen3-0.6B in bf16 (28 x 8 x 128 x 2 x 2 bytes), 144 KiB for Qwen3-8B; grouped-query
 # attention is what keeps that small (Hkv = 8 kv heads where Hq = 16 or 32 query heads).
 #
 # Preallocated: the engine knows before the first token how long each sequence may get (prompt +
@@ -1715,7 +1717,7 @@ class LLM:
         defaults. Every prompt and its limits are checked before any work starts."""
         prompts = self._prompt_ids(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        max_tokens = [self._max_tokens(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        max_tokens = [self._check_request(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         constraints = [compile_constraint(p, self.tokenizer) for p in params]
         self.engine.reset()  # a fresh start, even after an interrupted call
         seqs = [self.engine.add_request(*request)
@@ -1764,8 +1766,9 @@ class LLM:
             return list(sampling_params)
         raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
 
-    def _max_tokens(self, i, ids, params):
-        """How many tokens prompt i may generate, checked against max_model_len."""
+    def _check_request(self, i, ids, params):
+        """How many tokens prompt i may generate, checked against max_model_len; its params checked
+        against the vocabulary."""
         n, limit = len(ids), self.max_model_len
         if n > limit:
             raise ValueError(f"prompt {i} is {n} tokens, longer than max_model_len {limit}")
@@ -1775,10 +1778,14 @@ class LLM:
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(f"prompt {i}: {n} prompt tokens + max_tokens {params.max_tokens} = "
                              f"{n + params.max_tokens}, beyond max_model_len {limit}")
-        outside = [t for t in params.stop_token_ids if t >= self.model.cfg.vocab_size]
+        vocab = self.model.cfg.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:
             raise ValueError(f"SamplingParams.stop_token_ids of prompt {i} holds {outside[0]}, "
-                             f"outside the vocabulary [0, {self.model.cfg.vocab_size})")
+                             f"outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs of prompt {i} asks for {params.logprobs} "
+                             f"top logprobs, more than the vocabulary's {vocab} tokens")
         return limit - n if params.max_tokens is None else params.max_tokens
 
     def _output(self, seq):

@@ -94,21 +94,23 @@ def write_config(folder, **changes):
 
 
 def test_config_from_json_reads_both_rope_spellings(q7, tmp_path):
-    # transformers v5's rope_parameters, and v4's top-level rope_theta with rope_scaling null;
-    # head_dim and num_key_value_heads absent take transformers' defaults
+    # transformers v5's rope_parameters; v4's top-level rope_theta with rope_scaling null; no
+    # theta at all: transformers' default, 10,000; absent optional keys: their defaults
     path = write_config(save_hf(tiny_hf_qwen3(), tmp_path))
     cfg = q7.Qwen3Config.from_json(path)
     assert (cfg.rope_theta, cfg.head_dim, cfg.num_key_value_heads, cfg.rms_norm_eps) == (500.0, 32, 2, 0.05)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
             cfg.num_attention_heads, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
         131, 48, 80, 2, 4, 64, False)
-    write_config(tmp_path, rope_parameters=None, rope_theta=12345.0, rope_scaling="null",
-                 head_dim=None, num_key_value_heads=None)
+    write_config(tmp_path, rope_parameters=None, rope_theta=12345.0)
     config = json.loads(path.read_text())
-    config["rope_scaling"] = None
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps({**config, "rope_scaling": None}))
+    assert q7.Qwen3Config.from_json(path).rope_theta == 12345.0
+    write_config(tmp_path, rope_theta=None, rms_norm_eps=None, max_position_embeddings=None,
+                 tie_word_embeddings=None)
     cfg = q7.Qwen3Config.from_json(path)
-    assert (cfg.rope_theta, cfg.head_dim, cfg.num_key_value_heads) == (12345.0, 12, 4)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+        10000.0, 1e-6, 32768, False)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -122,7 +124,10 @@ def test_config_from_json_reads_both_rope_spellings(q7, tmp_path):
     (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(num_key_value_heads=3), r"bad Qwen3Config .*multiple of num_key_value_heads \(3\)"),
     (dict(head_dim=0), r"bad Qwen3Config .*head_dim = 0"),
-    (dict(hidden_size=None), r"lacks \['hidden_size'\]"),
+    (dict(hidden_size=None, head_dim=None), r"lacks \['hidden_size', 'head_dim'\]"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor = 0.5 is not supported"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+     "rotates part of each head only"),
 ])
 def test_config_refuses_what_it_cannot_compute(q7, hf_dir, tmp_path, change, message):
     (tmp_path / "config.json").write_text((hf_dir[1] / "config.json").read_text())
@@ -734,6 +739,7 @@ def bad_generate_calls(q7):
         ([[1], [2], [3]], [P(), P()], ValueError, "2 SamplingParams for 3 prompts"),
         ([[1]], {"temperature": 0}, TypeError, "sampling_params must be a SamplingParams"),
         ([[1]], P(stop_token_ids=[131]), ValueError, "stop_token_ids of prompt 0 holds 131"),
+        ([[1]], P(logprobs=132), ValueError, "asks for 132 top logprobs, more than the vocabulary's 131"),
         ([[1]], P(regex="[ab]+"), NotImplementedError, "SamplingParams.regex: structured output"),
         ([[1]], P(json_schema={"type": "object"}), NotImplementedError, "json_schema"),
     ]
