@@ -2007,10 +2007,11 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     prompts = random_prompts(cfg.vocab_size, (7, 12, 4), args.seed)
     check_against_recompute(llm, prompts, args.max_tokens)
-    if device.type == "cuda" or args.model is None:
+    if device.type == "cuda" or (INTERPRET and args.model is None):
         check_kernels(llm.model, prompts)
-    else:  # Triton's interpreter would take minutes on a real model
-        print("(the Triton kernels are checked on a GPU, or on the CPU with the built-in tiny model)")
+    else:  # the interpreter would take minutes on a real model
+        print("(Triton kernels not checked: that needs a GPU, or on a CPU Triton's interpreter and "
+              "the built-in tiny model)")
     show_generations(llm, prompts, args)
     measure_throughput(llm, args.batch_size, args.max_tokens, args.seed)
 
