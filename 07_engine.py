@@ -1210,6 +1210,7 @@ class KVCache:
 # same tokens whatever else is in the batch (torch.multinomial consumes one stream for the batch).
 
 NEG_INF = float("-inf")
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as in vLLM: logits / 1e-30 overflow
 
 
 def _is_int(x):
@@ -1225,7 +1226,7 @@ class SamplingParams:
     """How one request samples and when it stops. Checked on construction: a bad value is a
     ValueError naming the field, here, rather than a wrong result on the device later."""
     max_tokens: int | None = 16  # tokens to generate at most; None: up to the context limit
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # keep the k likeliest tokens (ties with the k-th kept too); 0: all
     top_p: float = 1.0  # keep the likeliest tokens until their probability reaches top_p; 1: all
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest; 0: none
@@ -1330,12 +1331,13 @@ class SamplingBatch:
             return torch.tensor([float(getattr(p, name)) for p in params], device=device)  # (B,)
 
         self.temperature, self.top_p, self.min_p = column("temperature"), column("top_p"), column("min_p")
+        self.greedy = self.temperature < GREEDY_BELOW  # (B,) bool
         self.top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device)
         self.repetition_penalty = column("repetition_penalty")
         self.presence_penalty, self.frequency_penalty = column("presence_penalty"), column("frequency_penalty")
         # which stages the batch needs, decided here on the host: a greedy batch skips the sort
         # of 151,936 logits a row, a batch without penalties their (B, V) bookkeeping
-        self.all_greedy = all(p.temperature == 0 for p in params)
+        self.all_greedy = all(p.temperature < GREEDY_BELOW for p in params)
         self.filters = any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params)
         self.penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
                              for p in params)
@@ -1396,7 +1398,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # greedy rows keep this
         if not batch.all_greedy:
             sampled = draw(self.probs(logits, batch), batch.generators)
-            tokens = torch.where(batch.temperature == 0, tokens, sampled)
+            tokens = torch.where(batch.greedy, tokens, sampled)
         batch.record(tokens)
         logprobs = None
         if raw_logprobs is not None:
@@ -1408,7 +1410,7 @@ class Sampler:
     def probs(logits, batch):
         """softmax(filtered(logits / temperature)) (B, V): what each sampled row draws from (greedy
         rows get temperature 1 here; their draw is not used). logits: after the penalties."""
-        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+        temperature = torch.where(batch.greedy, 1.0, batch.temperature)
         logits = logits / temperature[:, None]
         if batch.filters:
             logits = filter_logits(logits, batch.top_k, batch.top_p, batch.min_p)

@@ -628,6 +628,18 @@ def test_filters_match_their_definitions(q7):
     assert [int((probs[row] > 0).sum()) for row in (0, 5, 6)] == [5, 1, 1]
 
 
+def test_greedy_rows_take_the_argmax(q7):
+    """temperature 0, or one so small that logits / temperature would overflow, is greedy; a
+    batch mixing them with sampled rows gives each row its own way."""
+    P = q7.SamplingParams
+    params = [P(temperature=0), P(temperature=1e-30), P(temperature=1e-4, seed=0), P(temperature=5.0, seed=1)]
+    logits = (gen64(4, 30, seed=13) * 3).float()
+    logits[2, 7] = logits[2].max() + 0.01  # at temperature 1e-4 a gap of 0.01 is decisive
+    tokens, _ = q7.Sampler()(logits, sampling_batch(q7, params, vocab=30))
+    assert tokens[:3].tolist() == [int(logits[0].argmax()), int(logits[1].argmax()), 7]
+    assert torch.isfinite(q7.Sampler.probs(logits, sampling_batch(q7, params, vocab=30))).all()
+
+
 def test_top_p_keeps_the_token_that_crosses(q7):
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     for top_p, kept in [(0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.96, 4), (1.0, 4)]:
