@@ -1,5 +1,5 @@
-"""Stage 07: serving Qwen3, part 1: the model, a KV cache, a first engine, sampling (book
-chapters 16-18 and 34).
+"""Stage 07: serving Qwen3, part 1: the model, its tokenizer and chat format, a KV cache, a first
+engine, sampling and structured output (book chapters 16-18 and 34).
 
 What this stage teaches
     16. What an inference engine does: a prefill runs the whole prompt once, then decode steps
@@ -9,6 +9,12 @@ What this stage teaches
         the `Sampler` picks tokens, `LLMEngine.step` ties them together and `LLM.generate` is
         the entry point. This first engine batches statically: a batch runs until its last
         sequence ends.
+        The text boundary: `load_tokenizer` reads a Hugging Face tokenizer.json (byte-level
+        BPE: vocabulary, merges, normalizer, pre-tokenizer regex, added tokens) into a tiktoken
+        Encoding whose ids equal the `tokenizers` library's; the `Tokenizer` also knows the eos
+        ids that the model's files name and writes Qwen3's chat format by hand
+        (`apply_chat_template`, with the thinking switch). `LLM` loads it with the weights,
+        so prompts may be text and outputs have text (special tokens skipped, as in vLLM).
     17. Qwen3 (dense): `Qwen3Config.from_json` reads a Hugging Face config.json; `Qwen3` is
         RMSNorm, per-head q/k RMSNorm, rotary position embeddings, grouped-query attention and
         a SwiGLU MLP, computed as transformers' Qwen3ForCausalLM computes them. `load_qwen3`
@@ -21,46 +27,64 @@ What this stage teaches
         frequency penalties, seed, stop ids, logprobs), validated on construction and applied in
         vLLM's order, every row of a batch with its own values and, when seeded, its own random
         stream, without a host sync inside the sampler.
+        Structured output: a regex, a choice or a JSON schema (a subset) is compiled to an
+        automaton over bytes (`compile_grammar`); per automaton state, a walk of a trie of the
+        vocabulary gives the mask of the tokens allowed (`TokenMasker`, cached per state and
+        shared through a `GrammarCache`); the sampler applies the masks on the device before
+        anything else, and a request stops when its automaton is finished. Every output
+        matches, with random weights too.
 
 New since stage 06: all of the above. Kept unchanged: the Triton set-up, stage 05's RMSNorm and
 SwiGLU forward kernels, stage 06's flash-attention forward kernel with its input checks, the
-download helper. Changed: `rms_norm`, `swiglu` and `flash_attention` are forward only (plain
-functions, no autograd); stage 03's `filter_logits` takes one top-k / top-p per row and adds
-min-p.
-Dropped (each lives on in stage 06): GPT-2 with its tokenizer, data loader, training loop,
-checkpoints and weight loader; 03's `generate`; the softmax, LayerNorm, GELU, matmul and
+download helper, `read_ranks` and GPT-2's regex (main's demo tokenizer is built from GPT-2's
+ranks). Changed: `rms_norm`, `swiglu` and `flash_attention` are forward only (plain functions,
+no autograd); stage 03's `filter_logits` takes one top-k / top-p per row and adds min-p;
+`DATA_FILES` holds GPT-2's ranks only.
+Dropped (each lives on in stage 06): GPT-2 with its tokenizer Encoding, data loader, training
+loop, checkpoints and weight loader; 03's `generate`; the softmax, LayerNorm, GELU, matmul and
 cross-entropy kernels; every backward kernel; the twin classes that swapped kernels into the
 GPT; naive and tiled attention and chapter 15's walk-through; the 05/06 benchmarks and the
-CUDA-graph training step.
+CUDA-graph training step; The Verdict (no training here).
 
 Run
-    python 07_engine.py                  # a small random Qwen3: checks, generations, tokens/s
+    python 07_engine.py                  # a small random Qwen3 with GPT-2's BPE (first 8,192
+                                         # tokens) and Qwen3's chat tokens
     python 07_engine.py --model DIR      # a Hugging Face Qwen3 directory, or a Hub id such as
                                          # Qwen/Qwen3-0.6B (downloaded into data/hub/)
+    python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
+    python 07_engine.py --bench          # what structured output costs on a 151,936-token
+                                         # vocabulary (the GPU decode benchmarks come later)
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
-through Triton's interpreter), greedy and sampled generations, batched against one by one, and
-decode tokens/s. Prompts are token ids in this part: the tokenizer and chat template (chapter
-16) and structured output (the rest of chapter 34) come next, in the sections marked for them.
+through Triton's interpreter), greedy and sampled generations as text, batched against one by
+one, a generation under each kind of structured output (checked with Python's re and json), and
+decode tokens/s.
 """
 
 import argparse
+import base64
 import contextlib
+import functools
 import hashlib
 import json
 import math
 import numbers
 import os
+import random
 import re
+import statistics
 import sys
 import tempfile
 import time
+import unicodedata
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+import numpy as np
 import requests
+import tiktoken
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -130,8 +154,9 @@ class Qwen3Config:
     @classmethod
     def tiny(cls):
         """A two-layer Qwen3 that runs anywhere in a moment: main's model on a CPU. Untied: random
-        tied embeddings make a model that repeats its last token."""
-        return cls(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        tied embeddings make a model that repeats its last token. Its V = 8,256 rows hold main's
+        tokenizer (8,197 ids, demo_tokenizer) and some unused ones, as Qwen3's rows do."""
+        return cls(vocab_size=8256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    max_position_embeddings=256, tie_word_embeddings=False)
 
@@ -399,25 +424,440 @@ def save_qwen3(model, folder):
 # ----------------------------------------------------------------------------------------------
 # Chapter 16. The tokenizer and the chat format
 # ----------------------------------------------------------------------------------------------
-# To come in this section: `load_tokenizer(model_dir)`, a tiktoken Encoding built from the
-# directory's tokenizer.json, and Qwen3's chat template. The engine asks three things of a
-# tokenizer: `encode(text)` -> ids, `decode(ids)` -> text, and `eos_token_ids`, the ids that
-# end a sequence. `LLM` takes any object that has them, or none: then prompts are token ids, the
-# outputs have no text, and a sequence ends at the end-of-sequence ids its config files name.
+# NEW in stage 07: the tokenizer of a Hugging Face model directory, on tiktoken.
+#
+# Qwen3's tokenizer is GPT-2's kind (chapter 4), byte-level BPE, written in Hugging Face's
+# tokenizer.json instead of a ranks file. That file holds
+#   model.vocab    token -> id. A token spells bytes through GPT-2's byte <-> character map,
+#                  which writes each byte as a printable character (a space is "Ġ", a newline "Ċ");
+#   model.merges   the learned pairs, first learned first ("Ġ t": glue "Ġ" and "t");
+#   normalizer     what happens to the text first (Qwen: NFC, so "e" + U+0301 and "é" are alike);
+#   pre_tokenizer  the regex that cuts text into chunks, as GPT-2's did;
+#   added_tokens   strings matched whole before BPE ever sees the text: <|im_start|>, <think>, ...
+#                  "special" ones are control tokens that decode may skip; the others are text.
+# tiktoken merges the adjacent pair whose joined bytes have the lowest id; Hugging Face merges the
+# pair that was learned first. In a vocabulary learned by BPE a token's id is the step that made
+# it, so the two orders are one: the vocabulary *is* tiktoken's ranks, and encoding runs in
+# tiktoken's Rust. `load_tokenizer` checks that order (each merge makes a larger id than the one
+# before it) and refuses what tiktoken cannot represent (another model type or decoder, merges out
+# of order, a normalizer other than NFC) rather than encode differently. Added tokens are matched
+# here, in Python, not as tiktoken's special tokens, because tokenizers matches them its own way:
+# every one, special or not, the longest at a place, some in the raw text, some after normalizing.
+# A file this stage cannot read, or a tokenizer it cannot represent, is a DataError naming it.
+
+# GPT-2's pre-tokenizer: what tokenizers' ByteLevel pre-tokenizer applies when its use_regex is on.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@functools.cache
+def byte_level_alphabet():
+    """GPT-2's byte <-> character map as {character: byte}: the 188 printable bytes stand for
+    themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) for chr(256), chr(257), ... in
+    byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+def _optional_json(path):
+    """A JSON object from `path`, {} when the file is absent (each file but tokenizer.json is
+    optional)."""
+    return read_hf_config(path, ()) if path.is_file() else {}
+
+
+def _split_pattern(spec, source):
+    """The regex that cuts normalized text into the chunks BPE works in, for tiktoken. The file's
+    regex is written for Oniguruma, tokenizers' regex engine; Qwen's reads the same in tiktoken's
+    (fancy-regex), and one that does not compile there is an error in load_tokenizer."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
+        raise DataError(f"{source}: pre-tokenizer {pre} is not byte-level BPE's (a ByteLevel "
+                        "step, without add_prefix_space, last)")
+    *splits, byte_level = steps
+    use_regex = byte_level.get("use_regex", True)  # tokenizers' default
+    if not splits and use_regex:
+        return GPT2_PATTERN
+    split = splits[0] if len(splits) == 1 and not use_regex else {}
+    regex = split.get("pattern", {}).get("Regex")
+    if not (split.get("type") == "Split" and regex is not None
+            and split.get("behavior") == "Isolated" and not split.get("invert")):
+        raise DataError(f"{source}: pre-tokenizer {pre} is not supported: expected ByteLevel "
+                        "alone, or Split(Regex, Isolated) then ByteLevel(use_regex false)")
+    # Text the regex leaves between two matches is a chunk of its own in tokenizers, while
+    # tiktoken drops it. The second alternative takes such a stretch: characters where no match
+    # begins. (Qwen's regex matches everything, so there it never runs.)
+    return f"(?:{regex})|(?:(?!{regex})[\\s\\S])+"
+
+
+def _normalizer(spec, source):
+    """The function the tokenizer applies to text before splitting it: nothing, or NFC. NFC here
+    is Python's unicodedata, whose tables are newer than tokenizers' (which predate Unicode 10):
+    combining marks assigned since then, rare in any text, may be ordered differently."""
+    normalizer = spec.get("normalizer")
+    if normalizer is None:
+        return lambda text: text
+    if normalizer.get("type") == "NFC":
+        return functools.partial(unicodedata.normalize, "NFC")
+    raise DataError(f"{source}: normalizer {normalizer} is not supported (only none or NFC)")
+
+
+def _check_byte_level_bpe(spec, source):
+    """Refuse what is not byte-level BPE: tiktoken could not encode it as tokenizers does."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise DataError(f"{source}: model type {model.get('type')!r} is not byte-level BPE")
+    options = {k: model.get(k) for k in ("byte_fallback", "dropout", "continuing_subword_prefix",
+                                         "end_of_word_suffix")}
+    if any(options.values()):
+        raise DataError(f"{source}: BPE with {options} is not byte-level BPE")
+    for part in ("decoder", "post_processor"):
+        kind = (spec.get(part) or {}).get("type")
+        if kind != "ByteLevel" and (part == "decoder" or kind is not None):
+            raise DataError(f"{source}: {part} {kind!r} is not supported (byte-level BPE has "
+                            "ByteLevel)")
+
+
+def _bpe_ranks(model, added_ids, source):
+    """tiktoken's ranks from a BPE vocabulary and merges, and every vocabulary token's bytes.
+
+    Returns (ranks, vocab_bytes): ranks {bytes: id} holds the 256 single bytes and each token a
+    merge makes, ids unchanged; vocab_bytes {id: bytes} every token, for decoding. A token that
+    no merge makes (say a special token trained into the vocabulary) stays out of the ranks:
+    tokenizers' BPE can never produce it, so tiktoken must not either."""
+    alphabet = byte_level_alphabet()
+    vocab = model["vocab"]
+    vocab_bytes = {}
+    for token, token_id in vocab.items():
+        if all(c in alphabet for c in token):
+            vocab_bytes[token_id] = bytes(alphabet[c] for c in token)
+        elif token_id not in added_ids:  # an added token has its own rule (see load_tokenizer)
+            raise DataError(f"{source}: vocabulary token {token!r} is not written in byte-level "
+                            "characters, so this is not byte-level BPE")
+    singles = {b: i for i, b in vocab_bytes.items() if len(b) == 1}
+    if len(singles) < 256:
+        raise DataError(f"{source}: the vocabulary has {len(singles)} of the 256 single bytes; "
+                        "byte-level BPE needs all of them")
+    ranks, last = singles, -1
+    for n, merge in enumerate(model["merges"]):
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        token_id = vocab.get(left + right)
+        if token_id is None or left not in vocab or right not in vocab:
+            raise DataError(f"{source}: merge {n} ({left!r} + {right!r}) uses or makes a token "
+                            "that is not in the vocabulary")
+        if token_id <= last:
+            raise DataError(f"{source}: merge {n} makes id {token_id}, after a merge made id "
+                            f"{last}; tiktoken merges in id order, so it cannot encode this BPE")
+        ranks[vocab_bytes[token_id]], last = token_id, token_id
+    return ranks, vocab_bytes
+
+
+def _added_tokens(spec, source):
+    """tokenizer.json's added tokens as {content: (id, special, normalized)}."""
+    added = {}
+    for entry in spec.get("added_tokens", []):
+        flags = [k for k in ("lstrip", "rstrip", "single_word") if entry.get(k)]
+        if flags:
+            raise DataError(f"{source}: added token {entry['content']!r} sets {flags}, which this "
+                            "loader does not implement")
+        special = entry.get("special", False)  # tokenizers' defaults where a file omits them
+        added[entry["content"]] = (entry["id"], special, entry.get("normalized", not special))
+    return added
+
+
+def _chat_template(model_dir, tok_config):
+    """The chat template the directory declares, None for a base model. Transformers v5 writes it
+    to chat_template.jinja, older versions into tokenizer_config.json."""
+    path = model_dir / "chat_template.jinja"
+    template = tok_config.get("chat_template")
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
 
 def config_eos_token_ids(folder):
-    """The ids that config.json and generation_config.json (if there is one) name as
-    eos_token_id (an int or a list of ints, or null), as a set."""
+    """The ids that config.json and generation_config.json (each optional) name as eos_token_id
+    (an int or a list of ints, or null), as a set."""
     ids = set()
     for name in ("config.json", "generation_config.json"):
-        if name == "config.json" or (folder / name).is_file():
-            value = read_hf_config(folder / name, ()).get("eos_token_id")
-            values = value if isinstance(value, list) else [] if value is None else [value]
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-                raise DataError(f"{folder / name}: eos_token_id must be an id or a list of ids, "
-                                f"got {value!r}")
-            ids.update(values)
+        value = _optional_json(folder / name).get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise DataError(f"{folder / name}: eos_token_id must be an id or a list of ids, "
+                            f"got {value!r}")
+        ids.update(values)
     return ids
+
+
+def _eos_token_ids(model_dir, tok_config, token_id):
+    """The union of the end-of-sequence ids that config.json, generation_config.json (an id or a
+    list) and tokenizer_config.json (a token string) name: Qwen3 chat models end a turn with
+    <|im_end|> but may also emit <|endoftext|>, and each file names only some of them."""
+    ids = config_eos_token_ids(model_dir)
+    token = tok_config.get("eos_token")
+    if isinstance(token, dict):  # an AddedToken written out in full
+        token = token.get("content")
+    if token is not None:
+        if token not in token_id:
+            raise DataError(f"{model_dir / 'tokenizer_config.json'}: eos_token {token!r} is not "
+                            "a token of tokenizer.json")
+        ids.add(token_id[token])
+    return frozenset(ids)
+
+
+def load_tokenizer(model_dir):
+    """The Tokenizer of a Hugging Face model directory: tokenizer.json (byte-level BPE) on
+    tiktoken, with the eos ids and chat template that tokenizer_config.json, config.json and
+    generation_config.json declare (each optional)."""
+    model_dir = Path(model_dir)
+    source = model_dir / "tokenizer.json"
+    if not source.is_file():
+        raise DataError(f"{source} not found: a Hugging Face model directory holds its tokenizer "
+                        "there")
+    spec = read_hf_config(source, ("model",))
+    _check_byte_level_bpe(spec, source)
+    added = _added_tokens(spec, source)
+    ranks, vocab_bytes = _bpe_ranks(spec["model"], {i for i, _, _ in added.values()}, source)
+    pattern = _split_pattern(spec, source)
+    try:
+        bpe = tiktoken.Encoding(name=model_dir.name or "tokenizer", pat_str=pattern,
+                                mergeable_ranks=ranks, special_tokens={})
+    except ValueError as e:  # a regex in a syntax tiktoken's engine (fancy-regex) does not read
+        raise DataError(f"{source}: tiktoken cannot use the pre-tokenizer regex {pattern!r} "
+                        f"({e})") from None
+    # An added token decodes as tokenizers' ByteLevel decoder does: through the byte map when all
+    # its characters are in it (every ASCII special token), as its UTF-8 otherwise.
+    alphabet = byte_level_alphabet()
+    for content, (token_id, _, _) in added.items():
+        in_map = all(c in alphabet for c in content)
+        vocab_bytes[token_id] = bytes(alphabet[c] for c in content) if in_map else content.encode()
+    token_bytes = [vocab_bytes.get(i, b"") for i in range(max(vocab_bytes) + 1)]
+    tok_config = _optional_json(model_dir / "tokenizer_config.json")
+    token_id = {**spec["model"]["vocab"], **{c: i for c, (i, _, _) in added.items()}}
+    return Tokenizer(bpe, token_bytes, added, _normalizer(spec, source),
+                     _eos_token_ids(model_dir, tok_config, token_id),
+                     _chat_template(model_dir, tok_config))
+
+
+class Tokenizer:
+    """Text <-> ids for one model, the same ids as Hugging Face tokenizers' on every text.
+
+    encode(text) -> ids; decode(ids) -> text; decode_bytes(ids) -> bytes;
+    apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True) -> text.
+    eos_token_ids: frozenset of the ids that end generation.
+    token_bytes: id -> the bytes it decodes to, b"" for ids the tokenizer does not define.
+    special_ids: the special added tokens, which decode(ids, skip_special_tokens=True) drops.
+    chat_template: the model's Jinja chat template, read only to check that it is Qwen3's (None
+        for a base model, which is never chat-wrapped).
+    `load_tokenizer` builds it from: bpe, the tiktoken Encoding of the BPE alone; added,
+    {content: (id, special, normalized)}, the strings matched whole before BPE (normalized ones
+    in the normalized text); normalize, text -> text, applied to the text between added tokens.
+    """
+
+    def __init__(self, bpe, token_bytes, added, normalize, eos_token_ids, chat_template):
+        self.bpe, self.token_bytes, self.normalize = bpe, token_bytes, normalize
+        self.eos_token_ids, self.chat_template = frozenset(eos_token_ids), chat_template
+        self.special_ids = frozenset(i for i, special, _ in added.values() if special)
+        self._raw = self._matcher({c: i for c, (i, _, n) in added.items() if not n})
+        self._normalized = self._matcher({c: i for c, (i, _, n) in added.items() if n})
+
+    @staticmethod
+    def _matcher(tokens):
+        """(regex, {content: id}) that finds these tokens in text, or None if there are none. The
+        longest comes first in the alternation, so that at one position the longest token wins,
+        as in tokenizers (where <think> and <thinking> could both start at one place)."""
+        if not tokens:
+            return None
+        alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
+        return re.compile(f"({alternation})"), tokens
+
+    @staticmethod
+    def _split(text, matcher):
+        """(piece, None) for text between added tokens, (None, id) for each added token."""
+        if matcher is None:
+            yield text, None
+            return
+        regex, tokens = matcher
+        for k, piece in enumerate(regex.split(text)):  # odd pieces are the captured tokens
+            if k % 2:
+                yield None, tokens[piece]
+            elif piece:
+                yield piece, None
+
+    def encode(self, text):
+        """The ids of `text`. Added tokens in it, special or not, become their ids (as in
+        tokenizers, so chat text from `apply_chat_template` encodes its control tokens). Lone
+        surrogates, which have no UTF-8, are repaired as tiktoken does (to U+FFFD)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        ids = []
+        for raw, token in self._split(text, self._raw):
+            if token is not None:
+                ids.append(token)
+                continue
+            for piece, token in self._split(self.normalize(raw), self._normalized):
+                ids.extend(self.bpe.encode_ordinary(piece) if token is None else (token,))
+        return ids
+
+    def decode_bytes(self, ids, skip_special_tokens=False):
+        """The bytes `ids` spell. Ids the tokenizer does not define decode to nothing: Qwen3's
+        model scores 151,936 ids, more than its tokenizer has, and a sampler may pick any."""
+        table, n = self.token_bytes, len(self.token_bytes)
+        skip = self.special_ids if skip_special_tokens else ()
+        return b"".join(table[i] for i in ids if 0 <= i < n and i not in skip)
+
+    def decode(self, ids, skip_special_tokens=False):
+        """The text of `ids`. One token may hold part of a character's UTF-8, so the bytes of the
+        whole sequence are decoded at once; bytes that are still not UTF-8 become U+FFFD, as in
+        tokenizers."""
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, enable_thinking=True):
+        """Qwen3's chat format as text (`encode` it for the ids, as transformers does):
+
+            <|im_start|>system\\n{content}<|im_end|>\\n     (the same for user turns)
+            <|im_start|>assistant\\n{content}<|im_end|>\\n
+            <|im_start|>assistant\\n                       (the generation prompt)
+
+        messages: dicts with "role" (system, user or assistant) and "content" (str); an assistant
+            turn may carry "reasoning_content", else the <think>...</think> in its content is its
+            reasoning.
+        enable_thinking=False adds an empty <think>\\n\\n</think>\\n\\n after the generation prompt,
+            which tells the model to answer without reasoning.
+        Reasoning is shown only in assistant turns after the last user query (the turns of the
+        answer being generated); earlier turns keep just their answer, as Qwen3's template does.
+        """
+        if self.chat_template is None:
+            raise ValueError("this is a base model (no chat template in its tokenizer_config.json "
+                             "or chat_template.jinja): give it plain text, not chat messages")
+        if not ("<|im_start|>" in self.chat_template and "enable_thinking" in self.chat_template):
+            raise ValueError("this model's chat template is not Qwen3's (ChatML turns and the "
+                             "enable_thinking switch), the one chat format written here")
+        if not isinstance(add_generation_prompt, bool) or not isinstance(enable_thinking, bool):
+            raise TypeError("add_generation_prompt and enable_thinking must be True or False")
+        _check_messages(messages)
+        last_query = _last_query_index(messages)
+        turns = []
+        for i, message in enumerate(messages):
+            content = message["content"]
+            if message["role"] == "assistant":
+                content = _assistant_text(message, i > last_query, i == len(messages) - 1)
+            turns.append(f"<|im_start|>{message['role']}\n{content}<|im_end|>\n")
+        if add_generation_prompt:
+            turns.append("<|im_start|>assistant\n" + ("" if enable_thinking else
+                                                      "<think>\n\n</think>\n\n"))
+        return "".join(turns)
+
+
+def _check_messages(messages):
+    """Chat messages must be what the template renders: Qwen3's tool turns are not written here."""
+    if not messages:
+        raise ValueError("messages is empty")
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError(f"message {n} must be a dict with a str 'content', got {message!r}")
+        if message.get("role") not in ("system", "user", "assistant"):
+            raise ValueError(f"message {n}: role {message.get('role')!r} is not system, user or "
+                             "assistant (tool turns are not supported)")
+        if "tool_calls" in message:
+            raise ValueError(f"message {n}: tool_calls are not supported")
+        if not isinstance(message.get("reasoning_content", ""), (str, type(None))):
+            raise ValueError(f"message {n}: reasoning_content must be a str")
+
+
+def _last_query_index(messages):
+    """The index of the last user turn that is a query, not a tool result passed back as a user
+    turn; the last index if there is none (then no assistant turn shows its reasoning)."""
+    for i in reversed(range(len(messages))):
+        content = messages[i]["content"]
+        is_tool_result = (content.startswith("<tool_response>")
+                          and content.endswith("</tool_response>"))
+        if messages[i]["role"] == "user" and not is_tool_result:
+            return i
+    return len(messages) - 1
+
+
+def _assistant_text(message, after_last_query, is_last):
+    """An assistant turn's text. Its reasoning is `reasoning_content` or, failing that, what its
+    content holds before </think>; it is written back in a think block only in the turns that
+    answer the last query (in the last turn, an empty block when there was none)."""
+    content, reasoning = message["content"], message.get("reasoning_content")
+    if reasoning is None:
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+    if after_last_query and (is_last or reasoning):
+        reasoning, content = reasoning.strip("\n"), content.lstrip("\n")
+        return f"<think>\n{reasoning}\n</think>\n\n{content}"
+    return content
+
+
+# The other way, for a tokenizer that exists only as tiktoken ranks (main's demo uses GPT-2's).
+
+def read_ranks(path):
+    """BPE ranks in tiktoken's format, one `base64(token bytes) rank` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"ranks file not found: {path}")
+    ranks = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:  # not two fields, bad base64 (binascii.Error) or a bad integer
+            raise DataError(f"{path}, line {n}: expected '<base64 token> <rank>', got "
+                            f"{line[:80]!r}") from None
+    return ranks
+
+
+def _bpe_parts(token, ranks, below):
+    """The pieces BPE makes of `token`'s bytes with the merges of rank < below only, lowest rank
+    first (tiktoken's rule)."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        pairs = [(ranks.get(a + b, below), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs)
+        if rank >= below:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def byte_level_bpe_json(ranks, added):
+    """A tiktoken BPE with GPT-2's pre-tokenizer, written as Hugging Face's tokenizer.json (a
+    dict): the inverse of load_tokenizer. added: (id, content, special) of each added token.
+    A ranks file stores no merges, only each token's rank; the merge that made a token is what
+    BPE makes of its bytes with the lower ranks alone, which is two pieces for every token that
+    BPE learned (the recovery transformers' converter from tiktoken uses too)."""
+    to_char = {b: c for c, b in byte_level_alphabet().items()}
+
+    def spell(data):
+        return "".join(to_char[b] for b in data)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            parts = _bpe_parts(token, ranks, rank)
+            if len(parts) != 2:
+                raise DataError(f"token {token!r} (rank {rank}) is no merge of two lower ranks")
+            merges.append([spell(parts[0]), spell(parts[1])])
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": True}
+    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+            "added_tokens": [{"id": i, "content": content, "special": special, "normalized": False,
+                              "single_word": False, "lstrip": False, "rstrip": False}
+                             for i, content, special in added],
+            "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {spell(token): rank for token, rank in ranks.items()},
+                      "merges": merges}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1211,6 +1651,7 @@ class KVCache:
 
 NEG_INF = float("-inf")
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as in vLLM: logits / 1e-30 overflow
+STRUCTURED_FIELDS = ("regex", "choice", "json_schema")  # structured output: one at most
 
 
 def _is_int(x):
@@ -1270,22 +1711,16 @@ class SamplingParams:
         self._check_structured(need)
 
     def _check_structured(self, need):
-        need(self.regex is None or isinstance(self.regex, str), "regex", "must be a string")
-        need(self.choice is None or isinstance(self.choice, (list, tuple)) and self.choice and all(
-            isinstance(c, str) for c in self.choice), "choice", "must be a non-empty list of strings")
-        if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice))
-        need(self.json_schema is None or isinstance(self.json_schema, (dict, str)), "json_schema",
-             "must be a dict, or a JSON string of one")
-        if isinstance(self.json_schema, str):
-            try:
-                need(isinstance(json.loads(self.json_schema), dict), "json_schema",
-                     "must be a dict, or a JSON string of one")
-            except ValueError as e:
-                need(False, "json_schema", f"is not JSON ({e})")
         given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"SamplingParams: {' and '.join(given)} exclude each other; set one")
+        for name in given:  # compiled here (and cached), so a bad constraint fails right away
+            try:
+                compile_grammar(**{name: getattr(self, name)})
+            except GrammarError as e:
+                need(False, name, str(e))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
 
 
 def _iterable(x):
@@ -1384,15 +1819,16 @@ def draw(probs, generators):
 class Sampler:
     """logits -> tokens, each row by its own SamplingParams."""
 
-    def __call__(self, logits, batch, allowed=None):
-        """logits (B, V) -> (tokens (B,) int64, logprobs). allowed: (B, V) bool, the tokens
-        structured output permits (applied first), or None. logprobs: None, or when a row asks,
+    def __call__(self, logits, batch, masks=None):
+        """logits (B, V) -> (tokens (B,) int64, logprobs). masks: None, or per row the (V,) bool
+        mask of the tokens its structured output allows (None for a free row), applied first
+        and in place, on the device (see apply_token_masks). logprobs: None, or when a row asks,
         (sampled (B,), top values (B, k), top ids (B, k)) of the log-softmax of the raw logits,
-        before any penalty or filter (vLLM's default)."""
+        before any mask, penalty or filter (vLLM's default)."""
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.top_logprobs is not None else None
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, NEG_INF)
+        if masks is not None:
+            apply_token_masks(logits, masks)
         if batch.penalties:
             logits = apply_penalties(logits, batch)
         tokens = logits.argmax(dim=-1)  # greedy rows keep this
@@ -1418,36 +1854,869 @@ class Sampler:
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 34. Structured output: where it plugs in
+# Chapter 34. Structured output: a regex, a choice or a JSON schema as a mask over the vocabulary
 # ----------------------------------------------------------------------------------------------
-# To come in this section: regex, choice and JSON-schema constraints compiled to a character
-# automaton, and per automaton state the mask of the tokens it allows. The engine already routes
-# them: `compile_constraint` runs once per request before any work, the runner asks each
-# constrained row's automaton for its mask before sampling, a sequence feeds its automaton every
-# token it appends, and the scheduler ends a request ("stop") once its automaton is done.
+#
+# A constraint is compiled once into a deterministic automaton over BYTES; then at every decode
+# step the sampler forbids each token whose bytes would walk that automaton off its live states:
+#
+#   regex / choice / json_schema ──parse──▶ tree of character sets (Chars, Concat, Alt, Repeat)
+#       ──Thompson──▶ NFA over bytes (each character set spelled out as its UTF-8 byte ranges)
+#       ──subset construction──▶ ByteDFA: trans[state, byte] → next state, or -1 (dead)
+#       ──TokenMasker──▶ per state, the bool mask of allowed tokens (a trie walk, then cached)
+#
+# Why bytes: a byte-level BPE token may end inside a character ("é" is two bytes and a token
+# may hold only the first), so the automaton must be able to stop between the bytes of one
+# character. Why a DFA: a request's grammar state is then one int, advancing it is a table
+# lookup, and a mask can be cached per state.
+#
+# How the engine uses it:
+#   compile_grammar(regex=, choice=, json_schema=) → ByteDFA; raises GrammarError (a ValueError)
+#       naming what it does not support. SamplingParams calls it on construction.
+#   GrammarCache(vocab, eos_ids, device).get(regex=, choice=, json_schema=) → TokenMasker (or
+#       None): LLM holds one, built at the first structured request; vocab[i] is token i's bytes
+#       (None: no text, e.g. special tokens and the model's ids beyond its tokenizer; see
+#       grammar_vocab).
+#   TokenMasker: start (0), mask(state) → (V,) bool tensor on the device (True = allowed),
+#       advance(state, token_id) → next state (DEAD if the token was not allowed),
+#       is_accepting(state), is_finished(state) (accepting, nothing may follow: stop now).
+#       A Sequence keeps its TokenMasker and state and advances it with each token it appends;
+#       the ModelRunner asks it for the step's mask; the Scheduler ends it ("stop") once finished.
+#   apply_token_masks(logits, masks): one masked_fill over the batch, no host sync; the Sampler
+#       applies it before penalties, temperature and the filters.
 
-STRUCTURED_FIELDS = ("regex", "choice", "json_schema")
+DEAD = -1  # the automaton's "no match possible any more" state
 
 
-def compile_constraint(params, tokenizer):
-    """The automaton that constrains one request to params.regex, .choice or .json_schema, or
-    None when none is set. An automaton has allowed_tokens(vocab_size, device) -> (V,) bool,
-    advance(token) and is_done()."""
-    asked = [name for name in STRUCTURED_FIELDS if getattr(params, name) is not None]
-    if not asked:
+class GrammarError(ValueError):
+    """A regex, choice or JSON schema this stage cannot compile; the message names the construct."""
+
+
+# The tree every constraint is parsed into. A character is a set of code points; everything else
+# is built from concatenation, alternation and bounded or unbounded repetition.
+
+@dataclass(frozen=True)
+class Chars:
+    ranges: tuple  # ((lo, hi), ...) code points: sorted, disjoint, no surrogates; () = nothing
+
+
+@dataclass(frozen=True)
+class Concat:
+    parts: tuple  # one after the other; () matches the empty string
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple
+
+
+@dataclass(frozen=True)
+class Repeat:
+    node: object
+    lo: int
+    hi: object  # an int, or None for unbounded
+
+
+@dataclass(frozen=True)
+class Separated:
+    """Items in order, each (node, required), with `sep` between the items present: the body of
+    a JSON object whose optional properties may be left out. Spelled with Concat and Alt this
+    needs every property once per choice of the first property present (quadratic); as a node of
+    its own the NFA holds each property once."""
+    items: tuple
+    sep: object
+
+
+MAX_CODE_POINT = 0x10FFFF
+
+
+def char_set(ranges, negate=False):
+    """Chars from (lo, hi) code point pairs in any order, overlapping or not; `negate` takes the
+    complement. The surrogates U+D800..U+DFFF are dropped: UTF-8 cannot encode them, so no
+    generated text holds one."""
+    merged = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    if negate:
+        gaps, nxt = [], 0
+        for lo, hi in merged:
+            if lo > nxt:
+                gaps.append([nxt, lo - 1])
+            nxt = hi + 1
+        merged = gaps + ([[nxt, MAX_CODE_POINT]] if nxt <= MAX_CODE_POINT else [])
+    out = []
+    for lo, hi in merged:  # each range minus the surrogate block: the part below and above it
+        for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
+            if a <= b:
+                out.append((a, b))
+    return Chars(tuple(out))
+
+
+def chars(text):
+    """One character out of those in `text`."""
+    return char_set([(ord(c), ord(c)) for c in text])
+
+
+def literal(text):
+    """Exactly `text`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GrammarError(f"{text!r} holds a lone surrogate, which UTF-8 cannot encode") from None
+    return Concat(tuple(chars(c) for c in text))
+
+
+def optional(node):
+    return Repeat(node, 0, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Regex → tree. The subset: literals; escapes \n \t \r \f \v \a \xhh \uhhhh \Uhhhhhhhh and any
+# escaped punctuation; classes [...] with ranges and ^ negation; . (anything but a newline);
+# \d \w \s and \D \W \S with ASCII meanings (as Python's re.ASCII: [0-9], [0-9A-Za-z_],
+# [\t\n\v\f\r ]); groups ( ) and (?: ); alternation |; quantifiers ? * + {m} {m,} {m,n} {,n},
+# also lazy (*? etc.: under a full match they accept the same strings). The whole output must
+# match, as re.fullmatch. Anchors, lookaround, backreferences, inline flags, possessive
+# quantifiers and a bare '{' are errors that name the construct.
+# ----------------------------------------------------------------------------------------------
+
+ASCII_CLASSES = {"d": [(0x30, 0x39)], "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+                 "s": [(0x09, 0x0D), (0x20, 0x20)]}
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
+HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}  # the escape letter → how many hex digits follow
+HEX_DIGITS = "0123456789abcdefABCDEF"
+UNSUPPORTED_ESCAPES = {"b": "word boundary", "B": "word boundary", "A": "anchor", "Z": "anchor",
+                       "z": "anchor", "N": "named character", "p": "Unicode property",
+                       "P": "Unicode property"}
+GROUP_EXTENSIONS = (("(?=", "lookahead"), ("(?!", "negative lookahead"), ("(?<=", "lookbehind"),
+                    ("(?<!", "negative lookbehind"), ("(?P", "named group or backreference"),
+                    ("(?#", "comment"), ("(?>", "atomic group"), ("(?(", "conditional"),
+                    ("(?", "inline flag"))  # the first prefix that matches names the construct
+QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
+BRACES = re.compile(r"\{(\d*)(,?)(\d*)\}")
+MAX_REPEAT = 1000  # {m,n} beyond this would build NFAs of millions of states
+ANY_BUT_NEWLINE = char_set([(0x0A, 0x0A)], negate=True)
+
+
+class RegexParser:
+    """Recursive descent over the subset above, one method per rule:
+
+        alternation   := concatenation ('|' concatenation)*
+        concatenation := repetition*
+        repetition    := atom [quantifier ['?']]
+        atom          := character | '.' | escape | '[' class ']' | '(' ['?:'] alternation ')'
+    """
+
+    def __init__(self, pattern):
+        self.pattern, self.pos = pattern, 0
+
+    def parse(self):
+        node = self.alternation()
+        if self.pos < len(self.pattern):  # only an unmatched ')' stops the top alternation early
+            raise self.error("unbalanced ')'")
+        return node
+
+    def error(self, what):
+        return GrammarError(f"regex {self.pattern!r}, position {self.pos}: {what}")
+
+    def peek(self, k=0):
+        i = self.pos + k
+        return self.pattern[i] if i < len(self.pattern) else ""
+
+    def take(self):
+        if self.pos >= len(self.pattern):
+            raise self.error("unexpected end of pattern")
+        self.pos += 1
+        return self.pattern[self.pos - 1]
+
+    def alternation(self):
+        options = [self.concatenation()]
+        while self.peek() == "|":
+            self.pos += 1
+            options.append(self.concatenation())
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    def concatenation(self):
+        parts = []
+        while self.peek() not in ("", "|", ")"):
+            parts.append(self.repetition())
+        return parts[0] if len(parts) == 1 else Concat(tuple(parts))
+
+    def repetition(self):
+        node = self.atom()
+        bounds = self.quantifier()
+        if bounds is None:
+            return node
+        if self.peek() == "?":  # lazy: the same strings match in full, so it is kept as greedy
+            self.pos += 1
+        elif self.peek() == "+":
+            raise self.error("possessive quantifier is not supported")
+        if self.peek() in QUANTIFIERS or self.peek() == "{":
+            raise self.error("multiple repeat: a quantifier cannot follow a quantifier")
+        return Repeat(node, *bounds)
+
+    def quantifier(self):
+        """(lo, hi) of the quantifier at the cursor, consuming it; None if there is none."""
+        c = self.peek()
+        if c in QUANTIFIERS:
+            self.pos += 1
+            return QUANTIFIERS[c]
+        if c != "{":
+            return None
+        m = BRACES.match(self.pattern, self.pos)
+        if not m or not (m[1] or m[3]):
+            raise self.error("a literal '{' must be escaped as \\{ (a repeat is {m}, {m,}, "
+                             "{m,n} or {,n})")
+        lo = int(m[1] or 0)
+        hi = lo if not m[2] else (int(m[3]) if m[3] else None)
+        if hi is not None and hi < lo:
+            raise self.error(f"min repeat {lo} is greater than max repeat {hi}")
+        if max(lo, hi or 0) > MAX_REPEAT:
+            raise self.error(f"repeat count above {MAX_REPEAT}")
+        self.pos = m.end()
+        return lo, hi
+
+    def atom(self):
+        c = self.take()
+        if c == "(":
+            return self.group()
+        if c == "[":
+            return self.char_class()
+        if c == ".":
+            return ANY_BUT_NEWLINE
+        if c == "\\":
+            got = self.escape(in_class=False)
+            return got if isinstance(got, Chars) else char_set([(got, got)])
+        if c in "*+?{":
+            self.pos -= 1
+            raise self.error(f"nothing to repeat before '{c}'" if c != "{" else
+                             "a literal '{' must be escaped as \\{")
+        if c in "^$":
+            raise self.error(f"anchor '{c}' is not supported (the whole output must match anyway)")
+        return chars(c)
+
+    def group(self):
+        if self.peek() == "?":
+            if self.peek(1) != ":":
+                rest = self.pattern[self.pos - 1:]
+                name = next(name for prefix, name in GROUP_EXTENSIONS if rest.startswith(prefix))
+                raise self.error(f"{name} {rest[:4]!r}... is not supported")
+            self.pos += 2
+        node = self.alternation()
+        if self.peek() != ")":
+            raise self.error("missing ')'")
+        self.pos += 1
+        return node
+
+    def char_class(self):
+        negate = self.peek() == "^"
+        self.pos += negate
+        ranges, first = [], True
+        while True:
+            if self.pos >= len(self.pattern):
+                raise self.error("unterminated character class")
+            if self.peek() == "]" and not first:  # a ']' right after '[' or '[^' is a literal
+                self.pos += 1
+                return char_set(ranges, negate)
+            first = False
+            lo = self.class_member()
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.pos += 1
+                hi = self.class_member()
+                if isinstance(lo, Chars) or isinstance(hi, Chars) or hi < lo:
+                    raise self.error("bad character range")
+                ranges.append((lo, hi))
+            else:
+                ranges.extend(lo.ranges if isinstance(lo, Chars) else [(lo, lo)])
+
+    def class_member(self):
+        """A code point, or Chars for a class escape such as \\d."""
+        c = self.take()
+        return self.escape(in_class=True) if c == "\\" else ord(c)
+
+    def escape(self, in_class):
+        """What follows a backslash: Chars for \\d \\w \\s and their negations, else one code
+        point."""
+        c = self.take()
+        if c.lower() in ASCII_CLASSES:
+            return char_set(ASCII_CLASSES[c.lower()], negate=c.isupper())
+        if c in CHAR_ESCAPES:
+            return ord(CHAR_ESCAPES[c])
+        if c == "b" and in_class:  # inside a class \b is a backspace, not a word boundary
+            return 0x08
+        if c in HEX_ESCAPES:
+            digits = self.pattern[self.pos:self.pos + HEX_ESCAPES[c]]
+            if len(digits) < HEX_ESCAPES[c] or not all(d in HEX_DIGITS for d in digits) \
+                    or int(digits, 16) > MAX_CODE_POINT:
+                raise self.error(f"bad escape \\{c}{digits}")
+            self.pos += len(digits)
+            return int(digits, 16)
+        if c.isascii() and c.isalnum():
+            what = UNSUPPORTED_ESCAPES.get(c, "backreference or octal escape" if c.isdigit()
+                                           else "unknown escape")
+            raise self.error(f"\\{c} ({what}) is not supported")
+        return ord(c)
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON schema → tree. The subset: "type" object (properties, required), array (items, minItems,
+# maxItems), string (minLength, maxLength), integer, number, boolean, null; "enum" and "const"
+# (alone or with a matching "type"); nested at any depth. Annotations (title, description,
+# default, examples, $schema, $id, $comment) are ignored and additionalProperties is accepted
+# whatever its value, since properties beyond "properties" are never written. Any other keyword
+# is an error naming it.
+#
+# Whitespace policy: compact JSON, no whitespace anywhere, properties in their declared order
+# (optional ones may be left out). Strings hold any character but '"', '\' and controls below
+# U+0020, which must be escaped; a \u escape names no surrogate, so that one string character is
+# one code point and minLength/maxLength count exactly what Python's len() counts. Integers are
+# written without fraction or exponent.
+# ----------------------------------------------------------------------------------------------
+
+JSON_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
+                              "$comment"})
+JSON_TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
+                      "array": {"items", "minItems", "maxItems"},
+                      "string": {"minLength", "maxLength"},
+                      "integer": set(), "number": set(), "boolean": set(), "null": set()}
+JSON_KNOWN_KEYWORDS = set().union(*JSON_TYPE_KEYWORDS.values(), {"type", "enum", "const"})
+
+HEX = chars(HEX_DIGITS)
+DIGITS = Repeat(chars("0123456789"), 1, None)
+JSON_STRING_CHAR = Alt((
+    char_set([(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)], negate=True),  # as is: not " \ controls
+    Concat((literal("\\"), chars('"\\/bfnrt'))),
+    Concat((literal("\\u"), chars("0123456789abcABCefEF"), HEX, HEX, HEX)),  # \u, not D800-DFFF
+    Concat((literal("\\u"), chars("dD"), chars("01234567"), HEX, HEX)),
+))
+JSON_INTEGER = Concat((optional(literal("-")),
+                       Alt((literal("0"), Concat((chars("123456789"), optional(DIGITS)))))))
+JSON_NUMBER = Concat((JSON_INTEGER, optional(Concat((literal("."), DIGITS))),
+                      optional(Concat((chars("eE"), optional(chars("+-")), DIGITS)))))
+
+
+def json_text(value):
+    """`value` as compact JSON, the way the grammar writes it."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_type_matches(value, kind):
+    """Whether a Python value parsed from JSON has JSON schema type `kind` (bool is no integer)."""
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    python_types = {"object": dict, "array": list, "string": str, "integer": int,
+                    "number": (int, float), "boolean": bool, "null": type(None)}
+    return isinstance(value, python_types[kind])
+
+
+def json_schema_to_tree(schema, where="schema"):
+    """The tree of every compact JSON text this schema allows; `where` locates errors."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{where}: a schema must be a JSON object, got {schema!r}")
+    keywords = set(schema) - JSON_ANNOTATIONS
+    unknown = keywords - JSON_KNOWN_KEYWORDS
+    if unknown:
+        raise GrammarError(f"{where}: keyword {', '.join(map(repr, sorted(unknown)))} is not "
+                           f"supported (supported: {', '.join(sorted(JSON_KNOWN_KEYWORDS))})")
+    kind = schema.get("type")
+    if kind is not None and (not isinstance(kind, str) or kind not in JSON_TYPE_KEYWORDS):
+        raise GrammarError(f"{where}: 'type' {kind!r} is not supported (one of "
+                           f"{', '.join(JSON_TYPE_KEYWORDS)}; no lists of types)")
+    if "enum" in keywords or "const" in keywords:
+        return json_values(schema, keywords, where)
+    if kind is None:
+        raise GrammarError(f"{where}: needs 'type', 'enum' or 'const'")
+    foreign = keywords - {"type"} - JSON_TYPE_KEYWORDS[kind]
+    if foreign:
+        raise GrammarError(f"{where}: keyword {', '.join(map(repr, sorted(foreign)))} does not "
+                           f"apply to type {kind!r}")
+    if kind == "object":
+        return json_object(schema, where)
+    if kind == "array":
+        return json_array(schema, where)
+    if kind == "string":
+        lo, hi = json_bounds(schema, "minLength", "maxLength", where)
+        return Concat((literal('"'), Repeat(JSON_STRING_CHAR, lo, hi), literal('"')))
+    return {"integer": JSON_INTEGER, "number": JSON_NUMBER, "boolean": Alt((literal("true"),
+            literal("false"))), "null": literal("null")}[kind]
+
+
+def json_values(schema, keywords, where):
+    """enum / const: exactly the listed values, each written as compact JSON."""
+    extra = keywords - {"type", "enum", "const"}
+    if extra or {"enum", "const"} <= keywords:
+        raise GrammarError(f"{where}: 'enum' / 'const' combine only with 'type', got "
+                           f"{', '.join(sorted(keywords))}")
+    values = [schema["const"]] if "const" in schema else schema["enum"]
+    if not isinstance(values, list) or not values:
+        raise GrammarError(f"{where}: 'enum' must be a non-empty list")
+    for value in values:
+        if "type" in schema and not json_type_matches(value, schema["type"]):
+            raise GrammarError(f"{where}: value {value!r} is not of type {schema['type']!r}")
+    return Alt(tuple(literal(json_text(v)) for v in values))
+
+
+def json_bounds(schema, lo_key, hi_key, where):
+    """(lo, hi) from a schema's minX / maxX keywords: hi None when absent."""
+    lo, hi = schema.get(lo_key, 0), schema.get(hi_key)
+    for key, n in ((lo_key, lo), (hi_key, hi)):
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not
+                              0 <= n <= MAX_REPEAT):
+            raise GrammarError(f"{where}: '{key}' must be an integer in 0..{MAX_REPEAT}, got {n!r}")
+    if hi is not None and hi < lo:
+        raise GrammarError(f"{where}: '{lo_key}' {lo} is greater than '{hi_key}' {hi}")
+    return lo, hi
+
+
+def json_object(schema, where):
+    props, required = schema.get("properties"), schema.get("required", [])
+    if not isinstance(props, dict):
+        raise GrammarError(f"{where}: an object needs 'properties' (free-form objects are not "
+                           "supported)")
+    if not isinstance(required, list) or any(name not in props for name in required):
+        raise GrammarError(f"{where}: 'required' must list names from 'properties', got "
+                           f"{required!r}")
+    members = tuple((Concat((literal(json_text(name) + ":"),
+                             json_schema_to_tree(sub, f"{where}.properties.{name}"))),
+                     name in required) for name, sub in props.items())
+    return Concat((literal("{"), Separated(members, literal(",")), literal("}")))
+
+
+def json_array(schema, where):
+    if "items" not in schema:
+        raise GrammarError(f"{where}: an array needs 'items'")
+    lo, hi = json_bounds(schema, "minItems", "maxItems", where)
+    item = json_schema_to_tree(schema["items"], f"{where}.items")
+    more = Repeat(Concat((literal(","), item)), max(lo - 1, 0), None if hi is None else hi - 1)
+    body = Concat(()) if hi == 0 else Concat((item, more))
+    return Concat((literal("["), optional(body) if lo == 0 else body, literal("]")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree → NFA over bytes (Thompson's construction), then → DFA (subset construction)
+# ----------------------------------------------------------------------------------------------
+
+UTF8_LENGTH_LIMITS = (0x7F, 0x7FF, 0xFFFF, MAX_CODE_POINT)  # the last code point of 1..4 bytes
+
+
+def utf8_sequences(lo, hi):
+    """The UTF-8 encodings of code points lo..hi as byte-range sequences ((b0lo, b0hi), ...):
+    lo..hi is split until, within each piece, every byte position takes every value of its
+    range independently. E.g. U+0080..U+07FF is one piece: [C2-DF][80-BF]."""
+    for limit in UTF8_LENGTH_LIMITS:  # first: pieces of one encoded length each
+        if lo <= limit < hi:
+            return utf8_sequences(lo, limit) + utf8_sequences(limit + 1, hi)
+        if hi <= limit:
+            break
+    for k in range(1, len(chr(hi).encode())):  # then: a piece whose last k bytes do not span
+        low = (1 << (6 * k)) - 1                # their whole range 80..BF must split there
+        if lo & ~low != hi & ~low:
+            if lo & low:
+                return utf8_sequences(lo, lo | low) + utf8_sequences((lo | low) + 1, hi)
+            if hi & low != low:
+                return utf8_sequences(lo, (hi & ~low) - 1) + utf8_sequences(hi & ~low, hi)
+    return [tuple(zip(chr(lo).encode(), chr(hi).encode()))]
+
+
+class ByteNFA:
+    """States are ints; eps[s] lists the states reachable from s without reading a byte, and
+    edges[s] holds (lo, hi, t): a byte in lo..hi moves from s to t."""
+
+    def __init__(self, tree):
+        self.eps, self.edges = [], []
+        self.start = self.new_state()
+        self.accept = self.add(tree, self.start)
+
+    def new_state(self):
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def add(self, node, start):
+        """Add `node`'s states, entered at `start`; returns the state where the node is matched.
+        No construction loops back to its `start`, so alternatives may share it."""
+        if isinstance(node, Chars):
+            return self.add_chars(node, start)
+        if isinstance(node, Concat):
+            for part in node.parts:
+                start = self.add(part, start)
+            return start
+        end = self.new_state()
+        if isinstance(node, Alt):
+            for option in node.options:
+                self.eps[self.add(option, start)].append(end)
+        elif isinstance(node, Repeat):
+            self.eps[self.add_repeat(node, start)].append(end)
+        else:
+            self.eps[self.add_separated(node, start)].append(end)
+        return end
+
+    def add_chars(self, node, start):
+        """One character as UTF-8: a byte-range chain per sequence; chains with the same tail
+        share its states (the continuation bytes), which keeps the DFA small."""
+        end, tails = self.new_state(), {}
+
+        def reading(rest):  # the state from which the byte ranges `rest` lead to `end`
+            if not rest:
+                return end
+            if rest not in tails:
+                tails[rest] = self.new_state()
+                self.edges[tails[rest]].append((*rest[0], reading(rest[1:])))
+            return tails[rest]
+
+        for lo, hi in node.ranges:
+            for seq in utf8_sequences(lo, hi):
+                self.edges[start].append((*seq[0], reading(seq[1:])))
+        return end
+
+    def add_repeat(self, node, start):
+        for _ in range(node.lo):
+            start = self.add(node.node, start)
+        if node.hi is None:  # a fresh loop state, so the loop cannot re-enter what led here
+            loop = self.new_state()
+            self.eps[start].append(loop)
+            self.eps[self.add(node.node, loop)].append(loop)
+            return loop
+        stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to `end`
+        for _ in range(node.hi - node.lo):
+            stops.append(start)
+            start = self.add(node.node, start)
+        end = self.new_state()
+        for s in stops + [start]:
+            self.eps[s].append(end)
+        return end
+
+    def add_separated(self, node, start):
+        """Two states per item boundary: `empty` (nothing written yet: no separator needed) and
+        `some` (an item written: the next needs a separator). Each item is built once."""
+        empty, some = start, None
+        for item, required in node.items:
+            entry = self.new_state()
+            if empty is not None:
+                self.eps[empty].append(entry)
+            if some is not None:
+                self.eps[self.add(node.sep, some)].append(entry)
+            done = self.add(item, entry)
+            if required:
+                empty, some = None, done
+            else:  # skipping the item keeps both states; writing it leads to `some`
+                merged = self.new_state()
+                for s in (done, some):
+                    if s is not None:
+                        self.eps[s].append(merged)
+                some = merged
+        end = self.new_state()
+        for s in (empty, some):
+            if s is not None:
+                self.eps[s].append(end)
+        return end
+
+
+class ByteDFA:
+    """A deterministic automaton over bytes. trans[s, b] is the state after byte b in state s, or
+    DEAD when no match can follow; every state kept can still reach an accepting one, so a
+    walk that never meets DEAD can always be completed. The start state is 0."""
+
+    def __init__(self, trans, accepting):
+        self.trans = trans            # (S, 256) int32
+        self.accepting = accepting    # (S,) bool
+        self.finished = accepting & (trans < 0).all(axis=1)  # accepting, and no byte may follow
+        self.rows = trans.tolist()    # advancing byte by byte through lists beats numpy scalars
+
+    @property
+    def num_states(self):
+        return len(self.trans)
+
+    def walk(self, state, data):
+        """The state after reading the bytes `data` from `state` (DEAD once a byte is refused)."""
+        rows = self.rows
+        for byte in data:
+            state = rows[state][byte]
+            if state < 0:
+                return DEAD
+        return state
+
+    def matches(self, data):
+        state = self.walk(0, data)
+        return state != DEAD and bool(self.accepting[state])
+
+
+MAX_DFA_STATES = 20_000
+
+
+def determinize(nfa):
+    """Subset construction: a DFA state is the set of NFA states the bytes so far can reach.
+    The bytes leaving a set are cut at every edge's ends into intervals that all move alike."""
+    closures = {}
+
+    def closure(states):  # the DFA state of an NFA state set: everything reachable by eps
+        key = frozenset(states)
+        if key not in closures:
+            seen, stack = set(key), list(key)
+            while stack:
+                for t in nfa.eps[stack.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        stack.append(t)
+            closures[key] = frozenset(seen)
+        return closures[key]
+
+    sets = [closure([nfa.start])]
+    index, rows = {sets[0]: 0}, []
+    while len(rows) < len(sets):
+        edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
+        cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        row = [DEAD] * 256
+        for a, b in zip(cuts, cuts[1:]):
+            targets = [t for lo, hi, t in edges if lo <= a <= hi]
+            if targets:
+                target = closure(targets)
+                if target not in index:
+                    if len(sets) == MAX_DFA_STATES:
+                        raise GrammarError(f"the automaton exceeds {MAX_DFA_STATES:,} states; "
+                                           "simplify the constraint")
+                    index[target] = len(sets)
+                    sets.append(target)
+                row[a:b] = [index[target]] * (b - a)
+        rows.append(row)
+    accepting = np.array([nfa.accept in s for s in sets])
+    return trim(np.array(rows, dtype=np.int32), accepting)
+
+
+def trim(trans, accepting):
+    """Remove the states from which no accepting state can be reached (their bytes become
+    DEAD), so that a token is allowed only if its text can still be completed to a match."""
+    preds = [[] for _ in trans]
+    for s, row in enumerate(trans.tolist()):
+        for t in set(row) - {DEAD}:
+            preds[t].append(s)
+    live = accepting.copy()
+    stack = list(np.flatnonzero(live))
+    while stack:
+        for s in preds[stack.pop()]:
+            if not live[s]:
+                live[s] = True
+                stack.append(s)
+    if not live[0]:
+        raise GrammarError("the constraint matches no text at all")
+    new_id = np.cumsum(live) - 1              # old state → new state, for the live ones
+    ok = trans >= 0
+    ok[ok] = live[trans[ok]]
+    trans = np.where(ok, new_id[np.maximum(trans, 0)], DEAD).astype(np.int32)
+    return ByteDFA(trans[live], accepting[live])
+
+
+def constraint_key(regex=None, choice=None, json_schema=None):
+    """(kind, text) naming at most one constraint, checked; None if none is given. The text is
+    the regex, or the choice list or schema as JSON (dict order kept: it is the output's)."""
+    given = [(k, v) for k, v in (("regex", regex), ("choice", choice), ("json_schema", json_schema))
+             if v is not None]
+    if len(given) > 1:
+        raise GrammarError(f"give one of regex, choice, json_schema, not {[k for k, _ in given]}")
+    if not given:
         return None
-    raise NotImplementedError(f"SamplingParams.{asked[0]}: structured output is not built yet "
-                              f"(the rest of chapter 34); leave regex, choice and json_schema "
-                              f"unset")
+    kind, spec = given[0]
+    if kind == "regex" and not isinstance(spec, str):
+        raise GrammarError(f"regex must be a string, got {type(spec).__name__}")
+    if kind == "choice" and (not isinstance(spec, (list, tuple)) or not spec
+                             or not all(isinstance(c, str) for c in spec)):
+        raise GrammarError(f"choice must be a non-empty list of strings, got {spec!r}")
+    try:
+        if kind == "json_schema" and isinstance(spec, str):
+            spec = json.loads(spec)
+        return kind, spec if kind == "regex" else json.dumps(spec)
+    except (TypeError, ValueError) as e:  # not JSON text, or not JSON-serializable
+        raise GrammarError(f"{kind} is not valid JSON: {e}") from None
 
 
-def _allowed_tokens(seqs, vocab_size, device):
-    """(B, V) bool: the tokens each row may take next, or None when no row is constrained."""
-    if all(seq.constraint is None for seq in seqs):
-        return None
-    every = torch.ones(vocab_size, dtype=torch.bool, device=device)
-    return torch.stack([every if seq.constraint is None or seq.is_finished
-                        else seq.constraint.allowed_tokens(vocab_size, device) for seq in seqs])
+def compile_grammar(regex=None, choice=None, json_schema=None):
+    """The ByteDFA of exactly one of: a regex (full match), a choice (a list of strings, one of
+    which is the whole output) or a JSON schema (a dict or its JSON text); None if none given.
+    Compiled once per distinct constraint (cached), so validating SamplingParams costs nothing
+    when the engine compiles the same constraint again."""
+    key = constraint_key(regex, choice, json_schema)
+    return None if key is None else _compile(*key)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(kind, text):
+    if kind == "regex":
+        tree = RegexParser(text).parse()
+    elif kind == "choice":
+        tree = Alt(tuple(literal(c) for c in json.loads(text)))
+    else:
+        tree = json_schema_to_tree(json.loads(text))
+    return determinize(ByteNFA(tree))
+
+
+# ----------------------------------------------------------------------------------------------
+# Token masks: which tokens each automaton state allows, by walking a trie of the vocabulary
+# ----------------------------------------------------------------------------------------------
+#
+# Walking the 151,936 tokens one by one through the DFA in Python costs 50-120 ms per state
+# (measured on the bench's vocabulary). A trie shares the work of common prefixes, and walking
+# it level by level with numpy turns a level into a few array operations over its live nodes;
+# a subtree whose prefix dies is never visited: after `{"na` only the tokens that go on with
+# `me"` (and its prefixes) survive. The bench prints what a state costs this way.
+
+class TokenTrie:
+    """The vocabulary's byte strings as a trie, stored level by level. Level d holds the nodes
+    whose prefix has d+1 bytes, in sorted order, so the children of one node are a contiguous
+    run of the next level:
+        byte[d][n]                           the node's last byte
+        first_child[d][n], n_children[d][n]  its children, in level d+1
+        token[d][n]                          the token whose bytes end here, or V if none does
+    Built once per vocabulary (about a second for 151,936 tokens) and shared by every grammar."""
+
+    def __init__(self, vocab):
+        self.vocab, self.V = vocab, len(vocab)
+        levels = []                                # per depth: [bytes, parents, tokens]
+        path, prev, aliases = [], b"", []          # path: node index per depth of `prev`
+        for data, i in sorted((bytes(b), i) for i, b in enumerate(vocab) if b):
+            common, limit = 0, min(len(prev), len(data))
+            while common < limit and prev[common] == data[common]:
+                common += 1
+            if common == len(data) == len(prev):   # the same bytes as the previous token
+                aliases.append((i, levels[common - 1][2][path[-1]]))
+                continue
+            del path[common:]
+            for d in range(common, len(data)):
+                if d == len(levels):
+                    levels.append([[], [], []])
+                levels[d][0].append(data[d])
+                levels[d][1].append(path[d - 1] if d else 0)
+                levels[d][2].append(self.V)
+                path.append(len(levels[d][0]) - 1)
+            levels[len(data) - 1][2][path[-1]] = i
+            prev = data
+        self.byte = [np.array(b, dtype=np.int64) for b, _, _ in levels]
+        self.token = [np.array(t, dtype=np.int64) for _, _, t in levels]
+        self.first_child, self.n_children = [], []
+        for d in range(len(levels)):               # parents are sorted: children are runs
+            parents = np.array(levels[d + 1][1] if d + 1 < len(levels) else [], dtype=np.int64)
+            nodes = np.arange(len(levels[d][0]))
+            self.first_child.append(np.searchsorted(parents, nodes))
+            self.n_children.append(np.searchsorted(parents, nodes, side="right")
+                                   - self.first_child[-1])
+        aliases = np.array(aliases, dtype=np.int64).reshape(-1, 2)  # (duplicate id, first id)
+        self.alias_ids, self.alias_of = aliases[:, 0], aliases[:, 1]
+        self.check_all_bytes()
+
+    def check_all_bytes(self):
+        """Every byte must be a token of its own (true of every byte-level BPE): then every live
+        state allows some token, and a mask is never empty."""
+        singles = set(self.byte[0][self.token[0] < self.V].tolist()) if self.byte else set()
+        missing = sorted(set(range(256)) - singles)
+        if missing:
+            raise GrammarError(f"the vocabulary lacks single-byte tokens for bytes {missing[:8]}"
+                               f"{'...' if len(missing) > 8 else ''}")
+
+    def walk(self, trans, state):
+        """(V + 1,) bool: the tokens whose every byte moves the DFA `trans` from `state` to a
+        live state (the last slot collects the nodes that end no token)."""
+        allowed = np.zeros(self.V + 1, dtype=bool)
+        nodes = np.arange(len(self.byte[0]))
+        states = trans[state, self.byte[0]]                        # (level-0 nodes,)
+        for d in range(len(self.byte)):
+            live = states >= 0
+            nodes, states = nodes[live], states[live]
+            allowed[self.token[d][nodes]] = True
+            if d + 1 == len(self.byte) or not len(nodes):
+                break
+            counts = self.n_children[d][nodes]
+            # the children of every live node, in order: a "ragged arange" of runs
+            ends = np.cumsum(counts)
+            children = np.repeat(self.first_child[d][nodes] - ends + counts, counts) \
+                + np.arange(ends[-1])
+            states = trans[np.repeat(states, counts), self.byte[d + 1][children]]
+            nodes = children
+        allowed[self.alias_ids] = allowed[self.alias_of]
+        return allowed
+
+
+class TokenMasker:
+    """One constraint over one vocabulary. A request's grammar state is one int, starting at
+    `start`; the masker maps states to masks and tokens to next states.
+
+    Masks are computed the first time a state is met and cached as (V,) bool tensors on
+    `device` (151,936 bytes each), so a state seen before costs a dict lookup, and the sampler
+    applies the mask with masked_fill on the device without a host sync. On a GPU the engine
+    can compute a new state's mask on the host while the forward pass runs."""
+
+    start = 0
+
+    def __init__(self, dfa, trie, eos_ids, device="cpu"):
+        self.dfa, self.trie, self.device = dfa, trie, device
+        self.eos_ids = sorted(set(eos_ids))
+        self.masks = {}  # state → (V,) bool tensor on the device
+
+    def mask(self, state):
+        """(V,) bool, True for the tokens allowed in `state`: those whose bytes keep the
+        automaton alive, and end-of-sequence only where the text so far is a full match."""
+        if state not in self.masks:
+            if state == DEAD:
+                raise ValueError("the dead state allows no token")
+            allowed = self.trie.walk(self.dfa.trans, state)[:-1]
+            allowed[self.eos_ids] = self.dfa.accepting[state]
+            mask, on_gpu = torch.from_numpy(allowed), torch.device(self.device).type == "cuda"
+            # pinned and non_blocking: the copy queues behind the forward pass running on the
+            # GPU instead of making the host wait for it
+            self.masks[state] = (mask.pin_memory() if on_gpu else mask).to(self.device,
+                                                                            non_blocking=on_gpu)
+        return self.masks[state]
+
+    def advance(self, state, token_id):
+        """The state after `token_id`: DEAD if the mask did not allow it. End-of-sequence leaves
+        an accepting state as it is (the request is over)."""
+        if state == DEAD:
+            return DEAD
+        if token_id in self.eos_ids:
+            return state if self.dfa.accepting[state] else DEAD
+        data = self.trie.vocab[token_id]
+        return self.dfa.walk(state, data) if data else DEAD
+
+    def is_accepting(self, state):
+        return state != DEAD and bool(self.dfa.accepting[state])
+
+    def is_finished(self, state):
+        """Accepting with no byte that may follow: generation stops here, without sampling."""
+        return state != DEAD and bool(self.dfa.finished[state])
+
+
+def apply_token_masks(logits, masks):
+    """Forbid, in place, what each row's grammar forbids. logits (B, V); masks: B entries, each
+    a TokenMasker mask on logits' device or None for an unconstrained row. One stack and one
+    masked_fill: nothing is read back, so a GPU step stays asynchronous."""
+    if all(m is None for m in masks):
+        return logits
+    everything = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    allowed = torch.stack([everything if m is None else m for m in masks])     # (B, V)
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+class GrammarCache:
+    """What the engine holds: the vocabulary's trie, built once, and the TokenMaskers of the
+    most recent `capacity` constraints, so that requests with the same schema share the masks
+    already computed. A request keeps its TokenMasker, so an eviction never disturbs one."""
+
+    def __init__(self, vocab, eos_ids, device="cpu", capacity=32):
+        self.trie, self.eos_ids, self.device = TokenTrie(vocab), eos_ids, device
+        self.capacity, self.maskers = capacity, OrderedDict()
+
+    def get(self, regex=None, choice=None, json_schema=None):
+        """The TokenMasker of this constraint, or None when there is none."""
+        key = constraint_key(regex, choice, json_schema)
+        if key is None:
+            return None
+        if key not in self.maskers:
+            self.maskers[key] = TokenMasker(_compile(*key), self.trie, self.eos_ids, self.device)
+            if len(self.maskers) > self.capacity:
+                self.maskers.popitem(last=False)  # the least recently used
+        self.maskers.move_to_end(key)
+        return self.maskers[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1473,15 +2742,17 @@ class Sequence:
     """One request: its prompt and output ids, its sampling rules and where it stands. Its status
     goes WAITING -> RUNNING -> FINISHED, changed by the scheduler only."""
 
-    def __init__(self, seq_id, prompt_token_ids, params, max_tokens, constraint=None):
+    def __init__(self, seq_id, prompt_token_ids, params, max_tokens, grammar=None):
         self.seq_id = seq_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids = []
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
-        self.constraint = constraint  # structured output's automaton, or None
+        self.grammar = grammar  # structured output's TokenMasker, or None
+        self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
         self.status = SequenceStatus.WAITING
         self.finish_reason = None
+        self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
         self.logprobs = [] if params.logprobs is not None else None  # one {id: logprob} a token
 
     def __len__(self):
@@ -1499,8 +2770,9 @@ class Sequence:
         self.output_token_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
-        if self.constraint is not None:
-            self.constraint.advance(token)
+        if self.grammar is not None:
+            self.grammar_state = self.grammar.advance(self.grammar_state, token)
+            assert self.grammar_state != DEAD, f"token {token} was sampled against its mask"
 
 
 @dataclass
@@ -1508,8 +2780,9 @@ class RequestOutput:
     """What generate returns for one prompt."""
     prompt_token_ids: list
     token_ids: list  # the generated ids, the eos or stop id that ended the request included
-    text: str | None  # their text, without that final eos or stop id; None without a tokenizer
-    finish_reason: str  # "stop": an eos or stop id (or structured output complete); "length":
+    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
+    #                   (skip_special_tokens), without special tokens; None without a tokenizer
+    finish_reason: str  # "stop": an eos or stop id, or structured output complete; "length":
     #                     max_tokens or the context limit
     logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
     #                               id and the top ones
@@ -1550,6 +2823,8 @@ class Scheduler:
                 continue
             seq.append(token, token_logprobs)
             seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason == "stop" and not self._grammar_finished(seq):
+                seq.stop_token_id = token
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
                 finished.append(seq)
@@ -1558,14 +2833,20 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq, token):
-        if token in seq.params.stop_token_ids or (
-                not seq.params.ignore_eos and token in self.eos_token_ids):
+        # Under a grammar the mask allows eos only where the text is complete, and there eos ends
+        # the request even with ignore_eos: the text can only be finished, not continued.
+        eos_ends = not seq.params.ignore_eos or seq.grammar is not None
+        if token in seq.params.stop_token_ids or (eos_ends and token in self.eos_token_ids):
             return "stop"
-        if seq.constraint is not None and seq.constraint.is_done():
+        if self._grammar_finished(seq):  # the automaton accepts, and nothing may follow
             return "stop"
         if len(seq.output_token_ids) >= seq.max_tokens:
             return "length"
         return None
+
+    @staticmethod
+    def _grammar_finished(seq):
+        return seq.grammar is not None and seq.grammar.is_finished(seq.grammar_state)
 
 
 class ModelRunner:
@@ -1587,8 +2868,11 @@ class ModelRunner:
         """One step: the prefill of a new batch, or one decode step. Returns each row's next token
         and, where the row asked, its logprobs."""
         logits = self._prefill(seqs) if is_prefill else self._decode(seqs)  # (B, V)
-        allowed = _allowed_tokens(seqs, self.vocab_size, self.device)
-        tokens, logprobs = self.sampler(logits, self.sampling, allowed)
+        # A state's first mask is computed here, on the host, while a GPU still runs the forward
+        # pass queued above; a state met before costs a dict lookup.
+        masks = [None if seq.grammar is None or seq.is_finished
+                 else seq.grammar.mask(seq.grammar_state) for seq in seqs]
+        tokens, logprobs = self.sampler(logits, self.sampling, masks)
         tokens = tokens.tolist()  # the step's one host sync: the scheduler needs the tokens
         return tokens, self._logprobs_lists(seqs, tokens, logprobs)
 
@@ -1656,8 +2940,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.max_batch_size, self.eos_token_ids)
         self._next_id = 0
 
-    def add_request(self, prompt_token_ids, params, max_tokens, constraint=None):
-        seq = Sequence(self._next_id, prompt_token_ids, params, max_tokens, constraint)
+    def add_request(self, prompt_token_ids, params, max_tokens, grammar=None):
+        seq = Sequence(self._next_id, prompt_token_ids, params, max_tokens, grammar)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
@@ -1678,15 +2962,20 @@ class LLM:
     prompt, in the prompts' order.
 
     model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
-    built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: an object with
-    encode(text), decode(ids) and eos_token_ids; without one, prompts are token ids, outputs have
-    no text, and a sequence stops at the eos ids of the directory's config files (none for a
-    built Qwen3). device, dtype: as load_qwen3's. max_model_len: the longest prompt + output
-    (default and limit: the model's max_position_embeddings). max_batch_size: sequences per batch.
+    built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
+    (load_tokenizer); by default a directory's own, read from its tokenizer.json with the
+    weights. Without one (a built Qwen3, or a directory with no tokenizer.json) prompts are token
+    ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
+    the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
+    device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
+    limit: the model's max_position_embeddings). max_batch_size: sequences per batch.
     """
 
     def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
                  max_batch_size=16, data_dir=None):
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
+                            f"{type(tokenizer).__name__}")
         if isinstance(model, Qwen3):
             if device is not None or dtype is not None:
                 raise ValueError("a built Qwen3 is used as it is: move it with .to() instead of "
@@ -1696,14 +2985,14 @@ class LLM:
             folder = model_folder(model, data_dir)
             self.model = load_qwen3(folder, device, dtype)
             eos_token_ids = config_eos_token_ids(folder)
+            if tokenizer is None and (folder / "tokenizer.json").is_file():
+                tokenizer = load_tokenizer(folder)
         else:
             raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not {type(model).__name__}")
         if tokenizer is not None:
-            missing = [name for name in ("encode", "decode", "eos_token_ids") if not hasattr(tokenizer, name)]
-            if missing:
-                raise TypeError(f"tokenizer lacks {missing}: it needs encode, decode and eos_token_ids")
-            eos_token_ids = set(tokenizer.eos_token_ids)
+            eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
         self.tokenizer = tokenizer
+        self.grammars = None  # the GrammarCache, built at the first structured request
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if max_model_len is None else max_model_len
         if not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
@@ -1720,10 +3009,10 @@ class LLM:
         prompts = self._prompt_ids(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         max_tokens = [self._check_request(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
-        constraints = [compile_constraint(p, self.tokenizer) for p in params]
+        grammars = [self._grammar(i, p) for i, p in enumerate(params)]
         self.engine.reset()  # a fresh start, even after an interrupted call
         seqs = [self.engine.add_request(*request)
-                for request in zip(prompts, params, max_tokens, constraints)]
+                for request in zip(prompts, params, max_tokens, grammars)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self._output(seq) for seq in seqs]
@@ -1790,16 +3079,123 @@ class LLM:
                              f"top logprobs, more than the vocabulary's {vocab} tokens")
         return limit - n if params.max_tokens is None else params.max_tokens
 
+    def _grammar(self, i, params):
+        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
+        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
+        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {i} asks for structured output, which needs a tokenizer "
+                             f"(each token's bytes): LLM(..., tokenizer=...)")
+        if self.grammars is None:
+            vocab = grammar_vocab(self.tokenizer, self.model.cfg.vocab_size)
+            self.grammars = GrammarCache(vocab, self.engine.eos_token_ids, _device_of(self.model))
+        masker = self.grammars.get(regex=params.regex, choice=params.choice,
+                                   json_schema=params.json_schema)
+        if masker.is_finished(masker.start):
+            raise ValueError(f"the structured output of prompt {i} allows only the empty text: "
+                             f"there is nothing to generate")
+        return masker
+
     def _output(self, seq):
         ids = seq.output_token_ids
         text = None
-        if self.tokenizer is not None:
-            params, last = seq.params, ids[-1]
-            stopped_by_id = last in params.stop_token_ids or (
-                not params.ignore_eos and last in self.engine.eos_token_ids)
-            text = self.tokenizer.decode(ids[:-1] if stopped_by_id else ids)
+        if self.tokenizer is not None:  # the ending eos or stop id is no part of the text
+            text_ids = ids if seq.stop_token_id is None else ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         return RequestOutput(list(seq.prompt_token_ids), list(ids), text, seq.finish_reason,
                              seq.logprobs)
+
+
+def grammar_vocab(tokenizer, vocab_size):
+    """Each of the model's vocab_size ids as the bytes it writes, for structured output's masks,
+    or None where it writes none: special tokens (decode skips them, so their bytes would never
+    reach the text) and the ids past the tokenizer's (Qwen3's 151,936 rows hold 151,669 tokens).
+    Whatever an eos id's bytes, the masks allow it exactly where the text is complete."""
+    table = tokenizer.token_bytes[:vocab_size]
+    vocab = [None if i in tokenizer.special_ids or not data else data
+             for i, data in enumerate(table)]
+    return vocab + [None] * (vocab_size - len(vocab))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 34. Structured output: the bench (compiling, a mask's first computation, a cached mask)
+# ----------------------------------------------------------------------------------------------
+
+QWEN3_VOCAB_SIZE = 151_936      # the model's vocabulary (rows of its embedding)
+QWEN3_REGULAR_TOKENS = 151_643  # its tokenizer's BPE tokens; then <|endoftext|>, <|im_start|>, ...
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
+        "score": {"type": "number"}, "active": {"type": "boolean"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "address": {"type": "object", "properties": {
+            "street": {"type": "string"}, "city": {"type": "string"},
+            "zip": {"type": "string", "minLength": 5, "maxLength": 5}},
+            "required": ["city"]},
+        "nickname": {"type": "string", "maxLength": 20}, "manager": {"type": "null"},
+    },
+    "required": ["name", "age", "role"],
+}
+
+
+def synthetic_vocab(base_tokens, size=QWEN3_VOCAB_SIZE, n_regular=QWEN3_REGULAR_TOKENS, seed=0):
+    """A stand-in for Qwen3's vocabulary with no download: the 256 single bytes, `base_tokens`
+    (e.g. GPT-2's 50,256, read with read_ranks), then concatenations of two tokens drawn with
+    Zipf weights (how BPE merges grow a vocabulary), up to `n_regular` distinct tokens; the ids
+    above have no bytes (the special tokens and the unused rows of the embedding). The tokens
+    split UTF-8 characters wherever the base vocabulary does."""
+    rng = random.Random(seed)
+    vocab = list(dict.fromkeys([bytes([b]) for b in range(256)] + list(base_tokens)))
+    seen = set(vocab)
+    parts, weights = list(vocab), list(np.cumsum(1.0 / np.arange(1, len(vocab) + 1)))
+    while len(vocab) < n_regular:
+        pair = b"".join(rng.choices(parts, cum_weights=weights, k=2))
+        if pair not in seen:
+            seen.add(pair)
+            vocab.append(pair)
+    return vocab[:n_regular] + [None] * (size - n_regular)
+
+
+def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
+                     n_regular=QWEN3_REGULAR_TOKENS, n_lookups=20_000, seed=0):
+    """Print what structured output costs on a Qwen3-sized vocabulary: compiling `schema`, a
+    state's mask the first time (median and max over every state of its automaton), and a
+    state's mask once seen (median and p99 over random lookups). Returns the three medians, in
+    seconds."""
+    t0 = time.perf_counter()
+    vocab = synthetic_vocab(base_tokens, size, n_regular, seed)
+    t1 = time.perf_counter()
+    trie = TokenTrie(vocab)
+    t2 = time.perf_counter()
+    compile_times = []
+    for _ in range(5):  # _compile's cache is bypassed: this is the cost of a new schema
+        start = time.perf_counter()
+        dfa = determinize(ByteNFA(json_schema_to_tree(schema)))
+        compile_times.append(time.perf_counter() - start)
+    masker = TokenMasker(dfa, trie, eos_ids=[n_regular, n_regular + 2])  # as Qwen3's eos ids
+    first = []
+    for state in range(dfa.num_states):
+        start = time.perf_counter()
+        masker.mask(state)
+        first.append(time.perf_counter() - start)
+    rng, hits = random.Random(seed), []
+    for state in (rng.randrange(dfa.num_states) for _ in range(n_lookups)):
+        start = time.perf_counter_ns()
+        masker.mask(state)
+        hits.append((time.perf_counter_ns() - start) / 1e9)
+    hits.sort()
+    print(f"structured output, {len(vocab):,}-token vocabulary (built in {t1 - t0:.2f} s, its "
+          f"trie in {t2 - t1:.2f} s); the schema's DFA has {dfa.num_states} states")
+    print(f"  compile schema:          {statistics.median(compile_times) * 1e3:8.1f} ms "
+          f"(target 200 ms)")
+    print(f"  mask, first computation: {statistics.median(first) * 1e6:8.1f} µs median, "
+          f"{max(first) * 1e6:.0f} µs max over {len(first)} states")
+    print(f"  mask, state seen before: {statistics.median(hits) * 1e6:8.2f} µs median, "
+          f"{hits[int(0.99 * len(hits))] * 1e6:.2f} µs p99 (targets 100 µs, 1 ms)")
+    return statistics.median(compile_times), statistics.median(first), statistics.median(hits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1820,8 +3216,73 @@ def random_checkpoint(folder, seed):
     return save_qwen3(model, folder)
 
 
+# main's tokenizer: GPT-2's first 8,192 tokens (the 256 bytes and the first 7,936 merges: what
+# GPT-2's BPE training had learnt by then, a byte-level BPE in its own right, whose output layer
+# costs a sixth of the full 50,257's), then GPT-2's <|endoftext|> and Qwen3's chat tokens, special
+# or not as Qwen3 declares them. The chat template is a short form of Qwen3's: the turns and the
+# thinking switch (the stage writes the chat format by hand and reads a template only to know
+# that it is Qwen3's, load_tokenizer).
+DEMO_RANKS = 8192
+DEMO_ADDED_TOKENS = [(DEMO_RANKS + i, content, special) for i, (content, special) in enumerate(
+    [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<think>", False),
+     ("</think>", False)])]
+DEMO_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def demo_tokenizer(folder, data_dir=None):
+    """Write a Hugging Face tokenizer into `folder` for main's random model: GPT-2's byte-level
+    BPE from data/gpt2.tiktoken (downloaded on first use, 0.8 MB; see DEMO_RANKS) with Qwen3's
+    chat tokens, a chat template, and <|im_end|> and <|endoftext|> as the eos ids. Qwen3's own
+    tokenizer would be an 11 MB download, and the stage imports no `tokenizers` to train one,
+    so the files are written from GPT-2's ranks (byte_level_bpe_json). Returns the folder."""
+    folder = Path(folder)
+    ranks = read_ranks(data_file("gpt2.tiktoken", data_dir))
+    spec = byte_level_bpe_json({token: rank for token, rank in ranks.items() if rank < DEMO_RANKS},
+                               DEMO_ADDED_TOKENS)
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    config = {"eos_token": "<|im_end|>", "chat_template": DEMO_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    eos_ids = [DEMO_RANKS + 2, DEMO_RANKS]  # <|im_end|>, <|endoftext|>, as Qwen3's files name them
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+    return folder
+
+
+DEMO_PROMPTS = ("In 1908, Edith Wharton wrote", "def add(a, b):\n    return")
+
+
+def demo_prompts(llm, args):
+    """--prompt and two more, as token ids; with --chat each is a user turn in the chat format."""
+    if llm.tokenizer is None:
+        raise DataError(f"{args.model} has no tokenizer.json: this demo writes text prompts")
+    texts = [args.prompt, *DEMO_PROMPTS]
+    if args.chat:
+        try:
+            texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                     for text in texts]
+        except ValueError as e:  # a base model, or another chat format than Qwen3's
+            raise DataError(f"--chat: {e}") from None
+    return [llm.tokenizer.encode(text) for text in texts]
+
+
+def describe(llm, model):
+    """Print what was loaded: the model's shape and the tokenizer's size."""
+    cfg, tok = llm.model.cfg, llm.tokenizer
+    print(f"Qwen3 from {model or 'a tiny random checkpoint'}: {cfg.num_hidden_layers} layers, "
+          f"C={cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of "
+          f"{cfg.head_dim}, V={cfg.vocab_size:,}; {llm.model.num_params() / 1e6:.1f}M parameters, "
+          f"{next(llm.model.parameters()).dtype} on {_device_of(llm.model)}")
+    if tok is not None:
+        origin = "" if model else "GPT-2's first tokens and Qwen3's chat tokens, "
+        print(f"tokenizer: {origin}{len(tok.token_bytes):,} ids, eos ids {sorted(tok.eos_token_ids)}, "
+              f"chat template: {'yes' if tok.chat_template else 'no (a base model)'}")
+
+
 def random_prompts(vocab_size, lengths, seed):
-    """Prompts of random token ids, one of each length (the tokenizer comes with chapter 16)."""
+    """Prompts of random token ids, one of each length."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
@@ -1876,8 +3337,7 @@ def show_generations(llm, prompts, args):
                for p, out in zip(prompts, batched))
     print(f"\ngreedy, {len(prompts)} prompts in one batch ({'identical to' if same else 'DIFFERENT from'} "
           f"one by one):")
-    for prompt, out in zip(prompts, batched):
-        print(f"  {prompt} -> {out.token_ids} ({out.finish_reason})")
+    _print_outputs(llm, prompts, batched)
     sampled = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed + i, max_tokens=args.max_tokens)
                for i in range(len(prompts))]
@@ -1886,9 +3346,58 @@ def show_generations(llm, prompts, args):
     print(f"\nsampled (temperature {args.temperature}, top-k {args.top_k or 'off'}, top-p "
           f"{args.top_p}, min-p {args.min_p}, seeds {args.seed}..{args.seed + len(prompts) - 1}; "
           f"the first drawn alone: {'identical' if alone.token_ids == outputs[0].token_ids else 'DIFFERENT'}):")
-    for prompt, out in zip(prompts, outputs):
-        print(f"  {prompt} -> {out.token_ids} ({out.finish_reason})")
+    _print_outputs(llm, prompts, outputs)
     return same
+
+
+def _print_outputs(llm, prompts, outputs):
+    """Each prompt with its special tokens (a chat prompt shows its turns), and the text after."""
+    for prompt, out in zip(prompts, outputs):
+        print(f"  {llm.tokenizer.decode(prompt)!r} -> {out.text!r} ({out.finish_reason}, "
+              f"{len(out.token_ids)} tokens)")
+
+
+# Structured output for the demo: each kind once, every one of them bounded, so that even random
+# weights end it well within STRUCTURED_MAX_TOKENS.
+DEMO_SCHEMA = {"type": "object", "required": ["name", "admin"], "properties": {
+    "name": {"type": "string", "maxLength": 10}, "admin": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 2}}}
+DEMO_CONSTRAINTS = (("choice", ("yes", "no", "maybe")), ("regex", r"\d{4}-\d{2}-\d{2}"),
+                    ("json_schema", DEMO_SCHEMA))
+STRUCTURED_MAX_TOKENS = 128
+
+
+def show_structured(llm, prompt, args):
+    """The first prompt under each constraint of DEMO_CONSTRAINTS, sampled; each text checked
+    with Python's re and json, which know nothing of the automaton that constrained it. Returns
+    whether every text is valid."""
+    params = [SamplingParams(temperature=args.temperature, seed=args.seed + i,
+                             max_tokens=STRUCTURED_MAX_TOKENS, **{kind: spec})
+              for i, (kind, spec) in enumerate(DEMO_CONSTRAINTS)]
+    outputs = llm.generate([prompt] * len(params), params)
+    print(f"\nstructured output (temperature {args.temperature}, seeds {args.seed}.."
+          f"{args.seed + len(params) - 1}):")
+    all_valid = True
+    for (kind, spec), out in zip(DEMO_CONSTRAINTS, outputs):
+        valid = out.finish_reason == "stop" and _valid(kind, spec, out.text)
+        all_valid &= valid
+        shown = spec if kind == "regex" else json.dumps(spec)
+        print(f"  {kind} {shown}\n    -> {out.text!r} ({out.finish_reason}, "
+              f"{len(out.token_ids)} tokens; {'valid' if valid else 'INVALID'})")
+    return all_valid
+
+
+def _valid(kind, spec, text):
+    """Whether `text` is what the constraint asks for, by Python's own re and json."""
+    if kind == "choice":
+        return text in spec
+    if kind == "regex":
+        return re.fullmatch(spec, text, re.ASCII) is not None  # \d is [0-9] here, as re.ASCII
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(spec["required"]) <= set(value) <= set(spec["properties"])
 
 
 def measure_throughput(llm, batch_size, max_tokens, seed):
@@ -1967,7 +3476,15 @@ def parse_args(argv=None):
                         help="drop tokens less likely than this times the likeliest (default: 0)")
     parser.add_argument("--seed", type=non_negative_int, default=123,
                         help="seed of the random model, the prompts and the sampling")
-    parser.add_argument("--data-dir", help="download cache for Hub ids (default: data/)")
+    parser.add_argument("--prompt", default="Every effort moves you",
+                        help="the first prompt of the generations (default: %(default)r)")
+    parser.add_argument("--chat", action="store_true",
+                        help="give each prompt as a user turn in Qwen3's chat format")
+    parser.add_argument("--bench", action="store_true",
+                        help="instead: what structured output costs on a Qwen3-sized vocabulary "
+                        "(compiling a schema, a state's first mask, a cached mask)")
+    parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
+                        "the random model's (default: data/)")
     args = parser.parse_args(argv)
     check_args(parser, args)
     return args
@@ -1985,6 +3502,10 @@ def check_args(parser, args):
         parser.error(f"--device {args.device}: this machine has no CUDA GPU")
     if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
         parser.error(f"--data-dir {args.data_dir} is a file, not a directory")
+    if not args.prompt.strip():
+        parser.error("--prompt is empty")
+    if args.bench and args.model is not None:
+        parser.error("--model does not apply to --bench, which needs no model")
     if args.model is not None:
         path = Path(args.model)
         if path.exists() and not path.is_dir():
@@ -1996,18 +3517,17 @@ def check_args(parser, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.bench:
+        bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
+        return
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
-        source = args.model or random_checkpoint(tmp, args.seed)
+        source = args.model or demo_tokenizer(random_checkpoint(tmp, args.seed), args.data_dir)
         llm = LLM(source, device=device, dtype=MODEL_DTYPES.get(args.dtype),
                   max_batch_size=args.batch_size, data_dir=args.data_dir)
-    cfg = llm.model.cfg
-    print(f"Qwen3 from {args.model or 'a tiny random checkpoint'}: {cfg.num_hidden_layers} layers, "
-          f"C={cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of "
-          f"{cfg.head_dim}, V={cfg.vocab_size:,}; {llm.model.num_params() / 1e6:.1f}M parameters, "
-          f"{next(llm.model.parameters()).dtype} on {device}")
+    describe(llm, args.model)
     torch.manual_seed(args.seed)
-    prompts = random_prompts(cfg.vocab_size, (7, 12, 4), args.seed)
+    prompts = demo_prompts(llm, args)
     check_against_recompute(llm, prompts, args.max_tokens)
     if device.type == "cuda" or (INTERPRET and args.model is None):
         check_kernels(llm.model, prompts)
@@ -2015,6 +3535,7 @@ def main(argv=None):
         print("(Triton kernels not checked: that needs a GPU, or on a CPU Triton's interpreter and "
               "the built-in tiny model)")
     show_generations(llm, prompts, args)
+    show_structured(llm, prompts[0], args)
     measure_throughput(llm, args.batch_size, args.max_tokens, args.seed)
 
 
@@ -2062,6 +3583,14 @@ if INTERPRET:
 # ----------------------------------------------------------------------------------------------
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
+DATA_FILES = {  # changed in 07: GPT-2's ranks only, the tokenizer of main's random model
+    "gpt2.tiktoken": (
+        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
+        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+    ),
+}
 
 
 class DataError(RuntimeError):
@@ -2215,6 +3744,19 @@ def _data_dir(data_dir):
     if folder.exists() and not folder.is_dir():
         raise DataError(f"the data directory {folder} is a file, not a directory")
     return folder
+
+
+def data_entry(name, data_dir=None):
+    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
+    if name not in DATA_FILES:
+        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
+    url, sha256 = DATA_FILES[name]
+    return url, _data_dir(data_dir) / name, sha256
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file, downloaded into the cache on first use."""
+    return fetch([data_entry(name, data_dir)])[0]
 
 
 if __name__ == "__main__":
