@@ -504,9 +504,11 @@ def _normalizer(spec, source):
 
 def _check_byte_level_bpe(spec, source):
     """Refuse what is not byte-level BPE: tiktoken could not encode it as tokenizers does."""
-    model = spec.get("model") or {}
+    model = spec["model"] if isinstance(spec["model"], dict) else {}
     if model.get("type") != "BPE":
         raise DataError(f"{source}: model type {model.get('type')!r} is not byte-level BPE")
+    if not isinstance(model.get("vocab"), dict) or not isinstance(model.get("merges"), list):
+        raise DataError(f"{source}: a BPE model needs a vocab (an object) and merges (a list)")
     options = {k: model.get(k) for k in ("byte_fallback", "dropout", "continuing_subword_prefix",
                                          "end_of_word_suffix")}
     if any(options.values()):
@@ -3522,7 +3524,7 @@ def main(argv=None):
         return
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
-        source = args.model or demo_tokenizer(random_checkpoint(tmp, args.seed), args.data_dir)
+        source = args.model or random_checkpoint(demo_tokenizer(tmp, args.data_dir), args.seed)
         llm = LLM(source, device=device, dtype=MODEL_DTYPES.get(args.dtype),
                   max_batch_size=args.batch_size, data_dir=args.data_dir)
     describe(llm, args.model)

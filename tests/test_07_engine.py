@@ -904,7 +904,9 @@ def test_missing_or_broken_files_are_named(q7, tmp_path):
     for content, message in [(None, "tokenizer.json not found"),
                              ("{not json", "not a readable JSON config"),
                              ("[]", "expected a JSON object, got list"),
-                             ('{"version": "1.0"}', r"lacks \['model'\]")]:
+                             ('{"version": "1.0"}', r"lacks \['model'\]"),
+                             ('{"model": []}', "model type None is not byte-level BPE"),
+                             ('{"model": {"type": "BPE", "vocab": {}}}', "needs a vocab")]:
         if content is not None:
             path.write_text(content)
         with pytest.raises(q7.DataError, match=message) as err:
@@ -2042,6 +2044,23 @@ def test_main_needs_a_tokenizer_and_a_chat_template_for_chat(q7, hf_dir, qwen_di
         (tmp_path / name).write_bytes((qwen_dir / name).read_bytes())
     with pytest.raises(q7.DataError, match="--chat: this is a base model"):
         q7.main(["--model", str(tmp_path), "--device", "cpu", "--chat"])
+
+
+def test_main_offline_names_gpt2s_ranks(q7, tmp_path, monkeypatch):
+    """The random model's tokenizer is written from data/gpt2.tiktoken: offline, without that
+    file, main stops before any work, naming the file, its URL and where to place it."""
+    def no_network(*args, **kwargs):
+        raise requests.ConnectionError("no route to host")
+
+    monkeypatch.setattr(q7.requests, "get", no_network)
+    for name in ("LLM", "random_checkpoint"):
+        monkeypatch.setattr(q7, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
+    with pytest.raises(q7.DataError) as err:
+        q7.main(["--device", "cpu", "--data-dir", str(tmp_path / "cache")])
+    message = str(err.value)
+    assert message.startswith("1 file(s) this run needs cannot be had")
+    assert str(tmp_path / "cache" / "gpt2.tiktoken") in message and "r50k_base.tiktoken" in message
+    assert list(tmp_path.iterdir()) == []  # no empty cache folder left behind
 
 
 def test_main_bench(q7, monkeypatch, capsys):
