@@ -241,7 +241,7 @@ def test_the_script_reports_a_bad_file_in_one_line(tmp_path):
 
 # -- every inherited definition is a copy, or a change with its own tests ----------------------
 
-CHAIN = ["02_gpt", "03_train", "04_cuda_kernels", "05_triton", "06_flash_attention"]
+CHAIN = ["02_gpt", "03_train", "04_cuda_kernels", "05_triton", "06_flash_attention", "07_engine"]
 # stage -> {name: tests (file::function) that check that stage's changed version}
 CHANGED = {
     "03_train": {"main": ["test_03_train.py::test_main_trains_saves_and_samples"]},
@@ -277,6 +277,23 @@ CHANGED = {
                           "test_05_triton.py::test_cross_entropy_extreme_logits"],
         "make_optimizer": ["test_carried_forward.py::test_optimizer_decays_matrices_only"],
         "bench": ["GPU only: run by --bench"],
+    },
+    "07_engine": {
+        **{name: ["test_07_engine.py::test_main_on_a_tiny_random_model",
+                  "test_07_engine.py::test_a_bad_flag_stops_main_before_any_work"]
+           for name in ("main", "parse_args", "check_args")},
+        # Qwen3's MLP and block, which share only their names with GPT-2's
+        "MLP": ["test_07_engine.py::test_logits_match_transformers"],
+        "Block": ["test_07_engine.py::test_logits_match_transformers"],
+        # forward only
+        "rms_norm": ["test_07_engine.py::test_rms_norm_kernel"],
+        "swiglu": ["test_07_engine.py::test_swiglu_kernel"],
+        "flash_attention": ["test_07_engine.py::test_flash_attention_forward"],
+        # one top-k / top-p per row, and min-p
+        "filter_logits": ["test_07_engine.py::test_filters_match_their_definitions",
+                          "test_07_engine.py::test_top_p_keeps_the_token_that_crosses"],
+        # GPT-2's ranks only, for main's tokenizer
+        "DATA_FILES": ["test_07_engine.py::test_demo_tokenizer_is_gpt2s"],
     },
 }
 

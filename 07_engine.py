@@ -1,0 +1,3768 @@
+"""Stage 07: serving Qwen3, part 1: the model, its tokenizer and chat format, a KV cache, a first
+engine, sampling and structured output (book chapters 16-18 and 34).
+
+What this stage teaches
+    16. What an inference engine does: a prefill runs the whole prompt once, then decode steps
+        make one token each, reading the keys and values of earlier tokens from a KV cache.
+        The engine is a few small parts with vLLM's names: a request is a `Sequence`, the
+        `Scheduler` picks the batch, the `ModelRunner` turns it into tensors and runs the model,
+        the `Sampler` picks tokens, `LLMEngine.step` ties them together and `LLM.generate` is
+        the entry point. This first engine batches statically: a batch runs until its last
+        sequence ends.
+        The text boundary: `load_tokenizer` reads a Hugging Face tokenizer.json (byte-level
+        BPE: vocabulary, merges, normalizer, pre-tokenizer regex, added tokens) into a tiktoken
+        Encoding whose ids equal the `tokenizers` library's; the `Tokenizer` also knows the eos
+        ids that the model's files name and writes Qwen3's chat format by hand
+        (`apply_chat_template`, with the thinking switch). `LLM` loads it with the weights,
+        so prompts may be text and outputs have text (special tokens skipped, as in vLLM).
+    17. Qwen3 (dense): `Qwen3Config.from_json` reads a Hugging Face config.json; `Qwen3` is
+        RMSNorm, per-head q/k RMSNorm, rotary position embeddings, grouped-query attention and
+        a SwiGLU MLP, computed as transformers' Qwen3ForCausalLM computes them. `load_qwen3`
+        builds it on the meta device and reads each tensor of a directory or Hub id once,
+        memory-mapped, straight to its device and dtype.
+    18. The KV cache (`KVCache`), allocated once and written at each token's position. Prefill
+        runs on stage 06's `flash_attention` on a GPU, decode attends over the cache; both are
+        checked against recomputing the whole sequence.
+    34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
+        frequency penalties, seed, stop ids, logprobs), validated on construction and applied in
+        vLLM's order, every row of a batch with its own values and, when seeded, its own random
+        stream, without a host sync inside the sampler.
+        Structured output: a regex, a choice or a JSON schema (a subset) is compiled to an
+        automaton over bytes (`compile_grammar`); per automaton state, a walk of a trie of the
+        vocabulary gives the mask of the tokens allowed (`TokenMasker`, cached per state and
+        shared through a `GrammarCache`); the sampler applies the masks on the device before
+        anything else, and a request stops when its automaton is finished. Every output
+        matches, with random weights too.
+
+New since stage 06: all of the above. Kept unchanged: the Triton set-up, stage 05's RMSNorm and
+SwiGLU forward kernels, stage 06's flash-attention forward kernel with its input checks, the
+download helper, `read_ranks` and GPT-2's regex (main's demo tokenizer is built from GPT-2's
+ranks). Changed: `rms_norm`, `swiglu` and `flash_attention` are forward only (plain functions,
+no autograd); stage 03's `filter_logits` takes one top-k / top-p per row and adds min-p;
+`DATA_FILES` holds GPT-2's ranks only.
+Dropped (each lives on in stage 06): GPT-2 with its tokenizer Encoding, data loader, training
+loop, checkpoints and weight loader; 03's `generate`; the softmax, LayerNorm, GELU, matmul and
+cross-entropy kernels; every backward kernel; the twin classes that swapped kernels into the
+GPT; naive and tiled attention and chapter 15's walk-through; the 05/06 benchmarks and the
+CUDA-graph training step; The Verdict (no training here).
+
+Run
+    python 07_engine.py                  # a small random Qwen3 with GPT-2's BPE (first 8,192
+                                         # tokens) and Qwen3's chat tokens
+    python 07_engine.py --model DIR      # a Hugging Face Qwen3 directory, or a Hub id such as
+                                         # Qwen/Qwen3-0.6B (downloaded into data/hub/)
+    python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
+    python 07_engine.py --bench          # what structured output costs on a 151,936-token
+                                         # vocabulary (the GPU decode benchmarks come later)
+Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
+through Triton's interpreter), greedy and sampled generations as text, batched against one by
+one, a generation under each kind of structured output (checked with Python's re and json), and
+decode tokens/s.
+"""
+
+import argparse
+import base64
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import numbers
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+import unicodedata
+import warnings
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+import requests
+import tiktoken
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+try:
+    import fcntl  # file locks, so that two processes never download into one file
+except ImportError:  # Windows
+    fcntl = None
+
+# Triton reads TRITON_INTERPRET once, when it is first imported: without CUDA the interpreter
+# must be on before that import, so every kernel below still runs (on the CPU, slowly).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402  (after the interpreter switch)
+import triton.language as tl  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels take
+# The kernels' input checks (_check_tensor) and the interpreter patch are plumbing, at the end.
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 17. Qwen3: the configuration
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 07: the model the rest of the book serves.
+#
+# Legend for the model and the engine: B sequences in a batch, T tokens each in this step, S
+# positions of keys and values, C the hidden size, Hq query heads and Hkv key/value heads of D
+# values each (GQA: G = Hq / Hkv query heads read one kv head), V the vocabulary, L layers.
+
+@dataclass
+class Qwen3Config:
+    """The shape of a dense Qwen3; the defaults are Qwen3-0.6B's."""
+    vocab_size: int = 151936  # V, the rows of the embedding: more than the tokenizer's 151,669
+    hidden_size: int = 1024  # C
+    intermediate_size: int = 3072  # the MLP's hidden width
+    num_hidden_layers: int = 28  # L
+    num_attention_heads: int = 16  # Hq
+    num_key_value_heads: int = 8  # Hkv, a divisor of Hq
+    head_dim: int = 128  # D: Qwen3 sets it apart from C / Hq (0.6B: 16 x 128 = 2,048 > 1,024)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0  # RoPE's base: pair i of a head turns at theta^(-2i/D)
+    max_position_embeddings: int = 40960  # the longest sequence it was trained for
+    tie_word_embeddings: bool = True  # the output layer reuses the embedding matrix
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Qwen3Config.{name} = {value!r} must be a positive int")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+                raise ValueError(f"Qwen3Config.{name} = {value!r} must be a positive number")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"Qwen3Config: num_attention_heads ({self.num_attention_heads}) must be "
+                             f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim = {self.head_dim} must be even (RoPE turns pairs)")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"Qwen3Config.tie_word_embeddings = {self.tie_word_embeddings!r} must be a bool")
+
+    @classmethod
+    def tiny(cls):
+        """A two-layer Qwen3 that runs anywhere in a moment: main's model on a CPU. Untied: random
+        tied embeddings make a model that repeats its last token. Its V = 8,256 rows hold main's
+        tokenizer (8,197 ids, demo_tokenizer) and some unused ones, as Qwen3's rows do."""
+        return cls(vocab_size=8256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   max_position_embeddings=256, tie_word_embeddings=False)
+
+    @classmethod
+    def from_json(cls, path):
+        """The config of a Hugging Face config.json. Anything this model does not implement
+        (another architecture, RoPE scaling, sliding windows, biases) is an error naming the
+        key, never silently ignored."""
+        # required: what transformers would fill in from defaults that are no model's shape
+        # (head_dim 128 whatever the width, 32 kv heads)
+        shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim")
+        hf = read_hf_config(path, shape)
+        _check_supported(hf, path)
+        values = {name: hf[name] for name in shape}
+        # optional, with transformers' defaults
+        values["rms_norm_eps"] = hf.get("rms_norm_eps", 1e-6)
+        values["max_position_embeddings"] = hf.get("max_position_embeddings", 32768)
+        values["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
+        values["rope_theta"] = _rope_theta(hf, path)
+        return config_from(cls, values, path)
+
+    def to_hf(self):
+        """This config as a Hugging Face config.json dict (transformers v5 spelling)."""
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings")
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                "attention_bias": False, **{key: getattr(self, key) for key in keys},
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
+
+
+def _rope_theta(hf, path):
+    """RoPE's base from transformers v5's `rope_parameters` or the older top-level `rope_theta`.
+    Only plain RoPE is implemented: a scaled variant (yarn, linear, dynamic, ...) is an error."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise DataError(f"{path}: {key} must be an object, got {value!r}")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if kind != "default":
+            raise DataError(f"{path}: {key} asks for RoPE type {kind!r}; this stage implements "
+                            f"plain RoPE only (remove it to run at the original context length)")
+        if value.get("partial_rotary_factor", 1.0) != 1.0:
+            raise DataError(f"{path}: {key} rotates part of each head only; this stage rotates all")
+    if params is not None and "rope_theta" in params:
+        return params["rope_theta"]
+    return hf.get("rope_theta", 10000.0)
+
+
+def _check_supported(hf, path):
+    """Refuse what the dense Qwen3 below does not compute, naming the key."""
+    refused = [
+        ("model_type", hf.get("model_type", "qwen3") != "qwen3", "a dense Qwen3 is 'qwen3'"),
+        ("hidden_act", hf.get("hidden_act", "silu") != "silu", "the MLP is SwiGLU (silu)"),
+        ("attention_bias", bool(hf.get("attention_bias")), "the projections have no bias"),
+        ("use_sliding_window", bool(hf.get("use_sliding_window")), "attention is full"),
+        ("layer_types", any(kind != "full_attention" for kind in hf.get("layer_types") or ()),
+         "every layer is full attention"),
+        ("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0) != 1.0,
+         "RoPE turns every pair of a head"),
+    ]
+    for key, bad, why in refused:
+        if bad:
+            raise DataError(f"{path}: {key} = {hf[key]!r} is not supported ({why})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 17. Qwen3: the weights
+# ----------------------------------------------------------------------------------------------
+# A Hugging Face model directory holds config.json and the weights: one model.safetensors, or
+# shards that model.safetensors.index.json maps tensor names to. The usual way to load builds the
+# model with random weights (one copy in memory), reads the file into a state dict (a second)
+# and copies one into the other: twice the model, 32 GB for Qwen3-8B in bf16. Here the model is
+# built on the meta device (shapes, no memory, no random init), each tensor is read from the
+# memory-mapped file straight to its device and dtype, and the model takes the tensor as it is
+# (`load_state_dict(assign=True)`): one tensor in flight at a time, nothing copied twice.
+
+HF_URL = "https://huggingface.co/{repo}/resolve/main/{file}"
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+# what a Hub download fetches besides the weights (the tokenizer's files are for chapter 16)
+HUB_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}  # float64: for checks only
+
+
+def config_from(cls, values, source):
+    """cls(**values), with any bad or missing field reported against the file it came from."""
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{source}: bad {cls.__name__} ({e})") from None
+
+
+def read_hf_config(path, keys):
+    """A Hugging Face config.json as a dict, with every key in `keys` present."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, or not JSON
+        raise DataError(f"{path}: not a readable JSON config ({e})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    missing = [key for key in keys if key not in config]
+    if missing:
+        raise DataError(f"{path} lacks {missing}")
+    return config
+
+
+def model_folder(model, data_dir=None):
+    """The directory of `model`: a local Hugging Face directory as given, or a Hub id such as
+    "Qwen/Qwen3-0.6B", downloaded on first use into <data dir>/hub/<id>."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if path.exists() or not HUB_ID.fullmatch(str(model)):
+        raise DataError(f"{model}: neither a model directory (config.json and weights) nor a "
+                        f"Hugging Face Hub id such as Qwen/Qwen3-0.6B")
+    return download_model(str(model), data_dir)
+
+
+def download_model(repo, data_dir=None, timeout=30.0):
+    """Fetch a Hub model's config, tokenizer files and weights into <data dir>/hub/<repo>, through
+    `download` (progress, resume, the sha256 the Hub names in its X-Linked-Etag header); return
+    the folder. Files already there are not fetched again: a complete folder needs no network."""
+    folder = _data_dir(data_dir) / "hub" / repo
+    weights = _hub_weight_files(repo, folder, timeout)
+    fetch([(HF_URL.format(repo=repo, file=name), folder / name, None)
+           for name in (*HUB_FILES, *weights)])
+    return folder
+
+
+def _hub_weight_files(repo, folder, timeout):
+    """The weight files of a Hub model: its index and the shards it lists, or model.safetensors.
+    Which layout a repository has is learnt by asking for the index (404: one file)."""
+    if not (folder / WEIGHTS_INDEX).is_file() and not (folder / WEIGHTS).is_file():
+        url = HF_URL.format(repo=repo, file=WEIGHTS_INDEX)
+        try:
+            response = requests.get(url, timeout=timeout, stream=True)
+            response.close()
+        except requests.RequestException as e:
+            raise DataError(
+                f"{repo} cannot be downloaded ({type(e).__name__}: no network?). Place these files "
+                f"from https://huggingface.co/{repo}/tree/main in {folder}: {', '.join(HUB_FILES)}, "
+                f"and {WEIGHTS} (or {WEIGHTS_INDEX} with the shards it lists); or pass the "
+                f"directory that holds them instead of the Hub id") from None
+        if response.status_code == 404:
+            return [WEIGHTS]
+        if response.status_code != 200:
+            raise DataError(f"{url} answered {response.status_code} {response.reason}")
+        download(url, folder / WEIGHTS_INDEX, timeout=timeout)
+    if not (folder / WEIGHTS_INDEX).is_file():
+        return [WEIGHTS]
+    return [WEIGHTS_INDEX, *sorted(set(_weight_map(folder).values()))]
+
+
+@contextlib.contextmanager
+def _open_safetensors(path):
+    """safe_open on `path` (memory-mapped; tensors are read when asked for), with a missing or
+    unreadable file reported as a DataError naming it."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError has no public base class to catch
+        raise DataError(f"{path}: not a readable safetensors file ({e})") from None
+    with f:
+        yield f
+
+
+def _weight_map(folder):
+    """tensor name -> the file of `folder` that holds it."""
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = read_hf_config(index, ("weight_map",))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(file, str) and "/" not in file for file in weight_map.values()):
+            raise DataError(f"{index}: weight_map must map tensor names to file names")
+        return dict(weight_map)
+    if (folder / WEIGHTS).is_file():
+        with _open_safetensors(folder / WEIGHTS) as f:
+            return dict.fromkeys(f.keys(), WEIGHTS)
+    raise DataError(f"{folder} has neither {WEIGHTS} nor {WEIGHTS_INDEX}")
+
+
+def read_weights(folder, expected, device, dtype):
+    """{name: tensor} for every tensor of `expected` ({name: tensor of the right shape}, meta
+    tensors will do), each read once from its memory-mapped file and converted straight to
+    `device` and `dtype`. A missing, unexpected or misshapen tensor is a DataError naming it."""
+    where = _weight_map(folder)
+    # tied, but the checkpoint stores the head as well: checked below to be the embedding
+    stored_head = "lm_head.weight" not in expected and where.pop("lm_head.weight", None)
+    missing, unexpected = sorted(set(expected) - set(where)), sorted(set(where) - set(expected))
+    if missing or unexpected:
+        raise DataError(f"{folder}: the weights do not match config.json: missing tensors "
+                        f"{missing[:5]}, unexpected tensors {unexpected[:5]}")
+    state = {}
+    for file in sorted(set(where.values())):
+        with _open_safetensors(folder / file) as f:
+            stored = set(f.keys())
+            for name in sorted(name for name, held_in in where.items() if held_in == file):
+                if name not in stored:
+                    raise DataError(f"{folder / file} lacks {name!r}, which {WEIGHTS_INDEX} "
+                                    f"places there")
+                shape = tuple(f.get_slice(name).get_shape())  # from the header: nothing read yet
+                if shape != tuple(expected[name].shape):
+                    raise DataError(f"{folder / file}: tensor {name!r} has shape {shape}; "
+                                    f"config.json implies {tuple(expected[name].shape)}")
+                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if stored_head:
+        with _open_safetensors(folder / stored_head) as f:
+            head = f.get_tensor("lm_head.weight").to(device=device, dtype=dtype)
+        if not torch.equal(head, state["model.embed_tokens.weight"]):
+            raise DataError(f"{folder}: config.json ties the output layer to the embedding, but "
+                            f"the stored lm_head.weight differs from model.embed_tokens.weight")
+    return state
+
+
+def _resolve_device_dtype(folder, device, dtype):
+    """device: as given, else CUDA when there is one. dtype: as given, else the checkpoint's own
+    on a GPU (Qwen3 ships bf16) and float32 on a CPU, where bf16 matmuls are slow."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None and device.type == "cuda":
+        hf = read_hf_config(folder / "config.json", ())
+        name = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
+        if name not in MODEL_DTYPES:
+            raise DataError(f"{folder / 'config.json'}: dtype {name!r} is not one of {list(MODEL_DTYPES)}")
+        dtype = MODEL_DTYPES[name]
+    dtype = dtype or torch.float32
+    if dtype not in MODEL_DTYPES.values():
+        raise ValueError(f"dtype {dtype} is not supported; use one of {list(MODEL_DTYPES)}")
+    return device, dtype
+
+
+def load_qwen3(model_dir, device=None, dtype=None, data_dir=None):
+    """Qwen3 in eval mode from a Hugging Face directory (config.json and model.safetensors, or
+    shards with model.safetensors.index.json) or a Hub id, downloaded on first use. device and
+    dtype: see _resolve_device_dtype. The Triton kernels are on when the device is CUDA."""
+    folder = model_folder(model_dir, data_dir)
+    cfg = Qwen3Config.from_json(folder / "config.json")
+    device, dtype = _resolve_device_dtype(folder, device, dtype)
+    with torch.device("meta"):
+        model = Qwen3(cfg)  # shapes only
+    state = read_weights(folder, model.state_dict(), device, dtype)
+    model.load_state_dict(state, assign=True)  # the tensors just read become the parameters
+    model.inv_freq = model.inv_freq.to(device)  # RoPE's frequencies: computed, not stored
+    return model.use_kernels(device.type == "cuda").eval()
+
+
+def save_qwen3(model, folder):
+    """Write `model` as a Hugging Face directory (config.json, model.safetensors) that load_qwen3
+    and transformers both read; return the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps({**model.cfg.to_hf(), "dtype": dtype}, indent=2))
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 16. The tokenizer and the chat format
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 07: the tokenizer of a Hugging Face model directory, on tiktoken.
+#
+# Qwen3's tokenizer is GPT-2's kind (chapter 4), byte-level BPE, written in Hugging Face's
+# tokenizer.json instead of a ranks file. That file holds
+#   model.vocab    token -> id. A token spells bytes through GPT-2's byte <-> character map,
+#                  which writes each byte as a printable character (a space is "Ġ", a newline "Ċ");
+#   model.merges   the learned pairs, first learned first ("Ġ t": glue "Ġ" and "t");
+#   normalizer     what happens to the text first (Qwen: NFC, so "e" + U+0301 and "é" are alike);
+#   pre_tokenizer  the regex that cuts text into chunks, as GPT-2's did;
+#   added_tokens   strings matched whole before BPE ever sees the text: <|im_start|>, <think>, ...
+#                  "special" ones are control tokens that decode may skip; the others are text.
+# tiktoken merges the adjacent pair whose joined bytes have the lowest id; Hugging Face merges the
+# pair that was learned first. In a vocabulary learned by BPE a token's id is the step that made
+# it, so the two orders are one: the vocabulary *is* tiktoken's ranks, and encoding runs in
+# tiktoken's Rust. `load_tokenizer` checks that order (each merge makes a larger id than the one
+# before it) and refuses what tiktoken cannot represent (another model type or decoder, merges out
+# of order, a normalizer other than NFC) rather than encode differently. Added tokens are matched
+# here, in Python, not as tiktoken's special tokens, because tokenizers matches them its own way:
+# every one, special or not, the longest at a place, some in the raw text, some after normalizing.
+# A file this stage cannot read, or a tokenizer it cannot represent, is a DataError naming it.
+
+# GPT-2's pre-tokenizer: what tokenizers' ByteLevel pre-tokenizer applies when its use_regex is on.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@functools.cache
+def byte_level_alphabet():
+    """GPT-2's byte <-> character map as {character: byte}: the 188 printable bytes stand for
+    themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) for chr(256), chr(257), ... in
+    byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+def _optional_json(path):
+    """A JSON object from `path`, {} when the file is absent (each file but tokenizer.json is
+    optional)."""
+    return read_hf_config(path, ()) if path.is_file() else {}
+
+
+def _split_pattern(spec, source):
+    """The regex that cuts normalized text into the chunks BPE works in, for tiktoken. The file's
+    regex is written for Oniguruma, tokenizers' regex engine; Qwen's reads the same in tiktoken's
+    (fancy-regex), and one that does not compile there is an error in load_tokenizer."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
+        raise DataError(f"{source}: pre-tokenizer {pre} is not byte-level BPE's (a ByteLevel "
+                        "step, without add_prefix_space, last)")
+    *splits, byte_level = steps
+    use_regex = byte_level.get("use_regex", True)  # tokenizers' default
+    if not splits and use_regex:
+        return GPT2_PATTERN
+    split = splits[0] if len(splits) == 1 and not use_regex else {}
+    regex = split.get("pattern", {}).get("Regex")
+    if not (split.get("type") == "Split" and regex is not None
+            and split.get("behavior") == "Isolated" and not split.get("invert")):
+        raise DataError(f"{source}: pre-tokenizer {pre} is not supported: expected ByteLevel "
+                        "alone, or Split(Regex, Isolated) then ByteLevel(use_regex false)")
+    # Text the regex leaves between two matches is a chunk of its own in tokenizers, while
+    # tiktoken drops it. The second alternative takes such a stretch: characters where no match
+    # begins. (Qwen's regex matches everything, so there it never runs.)
+    return f"(?:{regex})|(?:(?!{regex})[\\s\\S])+"
+
+
+def _normalizer(spec, source):
+    """The function the tokenizer applies to text before splitting it: nothing, or NFC. NFC here
+    is Python's unicodedata, whose tables are newer than tokenizers' (which predate Unicode 10):
+    combining marks assigned since then, rare in any text, may be ordered differently."""
+    normalizer = spec.get("normalizer")
+    if normalizer is None:
+        return lambda text: text
+    if normalizer.get("type") == "NFC":
+        return functools.partial(unicodedata.normalize, "NFC")
+    raise DataError(f"{source}: normalizer {normalizer} is not supported (only none or NFC)")
+
+
+def _check_byte_level_bpe(spec, source):
+    """Refuse what is not byte-level BPE: tiktoken could not encode it as tokenizers does."""
+    model = spec["model"] if isinstance(spec["model"], dict) else {}
+    if model.get("type") != "BPE":
+        raise DataError(f"{source}: model type {model.get('type')!r} is not byte-level BPE")
+    if not isinstance(model.get("vocab"), dict) or not isinstance(model.get("merges"), list):
+        raise DataError(f"{source}: a BPE model needs a vocab (an object) and merges (a list)")
+    options = {k: model.get(k) for k in ("byte_fallback", "dropout", "continuing_subword_prefix",
+                                         "end_of_word_suffix")}
+    if any(options.values()):
+        raise DataError(f"{source}: BPE with {options} is not byte-level BPE")
+    for part in ("decoder", "post_processor"):
+        kind = (spec.get(part) or {}).get("type")
+        if kind != "ByteLevel" and (part == "decoder" or kind is not None):
+            raise DataError(f"{source}: {part} {kind!r} is not supported (byte-level BPE has "
+                            "ByteLevel)")
+
+
+def _bpe_ranks(model, added_ids, source):
+    """tiktoken's ranks from a BPE vocabulary and merges, and every vocabulary token's bytes.
+
+    Returns (ranks, vocab_bytes): ranks {bytes: id} holds the 256 single bytes and each token a
+    merge makes, ids unchanged; vocab_bytes {id: bytes} every token, for decoding. A token that
+    no merge makes (say a special token trained into the vocabulary) stays out of the ranks:
+    tokenizers' BPE can never produce it, so tiktoken must not either."""
+    alphabet = byte_level_alphabet()
+    vocab = model["vocab"]
+    vocab_bytes = {}
+    for token, token_id in vocab.items():
+        if all(c in alphabet for c in token):
+            vocab_bytes[token_id] = bytes(alphabet[c] for c in token)
+        elif token_id not in added_ids:  # an added token has its own rule (see load_tokenizer)
+            raise DataError(f"{source}: vocabulary token {token!r} is not written in byte-level "
+                            "characters, so this is not byte-level BPE")
+    singles = {b: i for i, b in vocab_bytes.items() if len(b) == 1}
+    if len(singles) < 256:
+        raise DataError(f"{source}: the vocabulary has {len(singles)} of the 256 single bytes; "
+                        "byte-level BPE needs all of them")
+    ranks, last = singles, -1
+    for n, merge in enumerate(model["merges"]):
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        token_id = vocab.get(left + right)
+        if token_id is None or left not in vocab or right not in vocab:
+            raise DataError(f"{source}: merge {n} ({left!r} + {right!r}) uses or makes a token "
+                            "that is not in the vocabulary")
+        if token_id <= last:
+            raise DataError(f"{source}: merge {n} makes id {token_id}, after a merge made id "
+                            f"{last}; tiktoken merges in id order, so it cannot encode this BPE")
+        ranks[vocab_bytes[token_id]], last = token_id, token_id
+    return ranks, vocab_bytes
+
+
+def _added_tokens(spec, source):
+    """tokenizer.json's added tokens as {content: (id, special, normalized)}."""
+    added = {}
+    for entry in spec.get("added_tokens", []):
+        flags = [k for k in ("lstrip", "rstrip", "single_word") if entry.get(k)]
+        if flags:
+            raise DataError(f"{source}: added token {entry['content']!r} sets {flags}, which this "
+                            "loader does not implement")
+        special = entry.get("special", False)  # tokenizers' defaults where a file omits them
+        added[entry["content"]] = (entry["id"], special, entry.get("normalized", not special))
+    return added
+
+
+def _chat_template(model_dir, tok_config):
+    """The chat template the directory declares, None for a base model. Transformers v5 writes it
+    to chat_template.jinja, older versions into tokenizer_config.json."""
+    path = model_dir / "chat_template.jinja"
+    template = tok_config.get("chat_template")
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def config_eos_token_ids(folder):
+    """The ids that config.json and generation_config.json (each optional) name as eos_token_id
+    (an int or a list of ints, or null), as a set."""
+    ids = set()
+    for name in ("config.json", "generation_config.json"):
+        value = _optional_json(folder / name).get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise DataError(f"{folder / name}: eos_token_id must be an id or a list of ids, "
+                            f"got {value!r}")
+        ids.update(values)
+    return ids
+
+
+def _eos_token_ids(model_dir, tok_config, token_id):
+    """The union of the end-of-sequence ids that config.json, generation_config.json (an id or a
+    list) and tokenizer_config.json (a token string) name: Qwen3 chat models end a turn with
+    <|im_end|> but may also emit <|endoftext|>, and each file names only some of them."""
+    ids = config_eos_token_ids(model_dir)
+    token = tok_config.get("eos_token")
+    if isinstance(token, dict):  # an AddedToken written out in full
+        token = token.get("content")
+    if token is not None:
+        if token not in token_id:
+            raise DataError(f"{model_dir / 'tokenizer_config.json'}: eos_token {token!r} is not "
+                            "a token of tokenizer.json")
+        ids.add(token_id[token])
+    return frozenset(ids)
+
+
+def load_tokenizer(model_dir):
+    """The Tokenizer of a Hugging Face model directory: tokenizer.json (byte-level BPE) on
+    tiktoken, with the eos ids and chat template that tokenizer_config.json, config.json and
+    generation_config.json declare (each optional)."""
+    model_dir = Path(model_dir)
+    source = model_dir / "tokenizer.json"
+    if not source.is_file():
+        raise DataError(f"{source} not found: a Hugging Face model directory holds its tokenizer "
+                        "there")
+    spec = read_hf_config(source, ("model",))
+    _check_byte_level_bpe(spec, source)
+    added = _added_tokens(spec, source)
+    ranks, vocab_bytes = _bpe_ranks(spec["model"], {i for i, _, _ in added.values()}, source)
+    pattern = _split_pattern(spec, source)
+    try:
+        bpe = tiktoken.Encoding(name=model_dir.name or "tokenizer", pat_str=pattern,
+                                mergeable_ranks=ranks, special_tokens={})
+    except ValueError as e:  # a regex in a syntax tiktoken's engine (fancy-regex) does not read
+        raise DataError(f"{source}: tiktoken cannot use the pre-tokenizer regex {pattern!r} "
+                        f"({e})") from None
+    # An added token decodes as tokenizers' ByteLevel decoder does: through the byte map when all
+    # its characters are in it (every ASCII special token), as its UTF-8 otherwise.
+    alphabet = byte_level_alphabet()
+    for content, (token_id, _, _) in added.items():
+        in_map = all(c in alphabet for c in content)
+        vocab_bytes[token_id] = bytes(alphabet[c] for c in content) if in_map else content.encode()
+    token_bytes = [vocab_bytes.get(i, b"") for i in range(max(vocab_bytes) + 1)]
+    tok_config = _optional_json(model_dir / "tokenizer_config.json")
+    token_id = {**spec["model"]["vocab"], **{c: i for c, (i, _, _) in added.items()}}
+    return Tokenizer(bpe, token_bytes, added, _normalizer(spec, source),
+                     _eos_token_ids(model_dir, tok_config, token_id),
+                     _chat_template(model_dir, tok_config))
+
+
+class Tokenizer:
+    """Text <-> ids for one model, the same ids as Hugging Face tokenizers' on every text.
+
+    encode(text) -> ids; decode(ids) -> text; decode_bytes(ids) -> bytes;
+    apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True) -> text.
+    eos_token_ids: frozenset of the ids that end generation.
+    token_bytes: id -> the bytes it decodes to, b"" for ids the tokenizer does not define.
+    special_ids: the special added tokens, which decode(ids, skip_special_tokens=True) drops.
+    chat_template: the model's Jinja chat template, read only to check that it is Qwen3's (None
+        for a base model, which is never chat-wrapped).
+    `load_tokenizer` builds it from: bpe, the tiktoken Encoding of the BPE alone; added,
+    {content: (id, special, normalized)}, the strings matched whole before BPE (normalized ones
+    in the normalized text); normalize, text -> text, applied to the text between added tokens.
+    """
+
+    def __init__(self, bpe, token_bytes, added, normalize, eos_token_ids, chat_template):
+        self.bpe, self.token_bytes, self.normalize = bpe, token_bytes, normalize
+        self.eos_token_ids, self.chat_template = frozenset(eos_token_ids), chat_template
+        self.special_ids = frozenset(i for i, special, _ in added.values() if special)
+        self._raw = self._matcher({c: i for c, (i, _, n) in added.items() if not n})
+        self._normalized = self._matcher({c: i for c, (i, _, n) in added.items() if n})
+
+    @staticmethod
+    def _matcher(tokens):
+        """(regex, {content: id}) that finds these tokens in text, or None if there are none. The
+        longest comes first in the alternation, so that at one position the longest token wins,
+        as in tokenizers (where <think> and <thinking> could both start at one place)."""
+        if not tokens:
+            return None
+        alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
+        return re.compile(f"({alternation})"), tokens
+
+    @staticmethod
+    def _split(text, matcher):
+        """(piece, None) for text between added tokens, (None, id) for each added token."""
+        if matcher is None:
+            yield text, None
+            return
+        regex, tokens = matcher
+        for k, piece in enumerate(regex.split(text)):  # odd pieces are the captured tokens
+            if k % 2:
+                yield None, tokens[piece]
+            elif piece:
+                yield piece, None
+
+    def encode(self, text):
+        """The ids of `text`. Added tokens in it, special or not, become their ids (as in
+        tokenizers, so chat text from `apply_chat_template` encodes its control tokens). Lone
+        surrogates, which have no UTF-8, are repaired as tiktoken does (to U+FFFD)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        ids = []
+        for raw, token in self._split(text, self._raw):
+            if token is not None:
+                ids.append(token)
+                continue
+            for piece, token in self._split(self.normalize(raw), self._normalized):
+                ids.extend(self.bpe.encode_ordinary(piece) if token is None else (token,))
+        return ids
+
+    def decode_bytes(self, ids, skip_special_tokens=False):
+        """The bytes `ids` spell. Ids the tokenizer does not define decode to nothing: Qwen3's
+        model scores 151,936 ids, more than its tokenizer has, and a sampler may pick any."""
+        table, n = self.token_bytes, len(self.token_bytes)
+        skip = self.special_ids if skip_special_tokens else ()
+        return b"".join(table[i] for i in ids if 0 <= i < n and i not in skip)
+
+    def decode(self, ids, skip_special_tokens=False):
+        """The text of `ids`. One token may hold part of a character's UTF-8, so the bytes of the
+        whole sequence are decoded at once; bytes that are still not UTF-8 become U+FFFD, as in
+        tokenizers."""
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, enable_thinking=True):
+        """Qwen3's chat format as text (`encode` it for the ids, as transformers does):
+
+            <|im_start|>system\\n{content}<|im_end|>\\n     (the same for user turns)
+            <|im_start|>assistant\\n{content}<|im_end|>\\n
+            <|im_start|>assistant\\n                       (the generation prompt)
+
+        messages: dicts with "role" (system, user or assistant) and "content" (str); an assistant
+            turn may carry "reasoning_content", else the <think>...</think> in its content is its
+            reasoning.
+        enable_thinking=False adds an empty <think>\\n\\n</think>\\n\\n after the generation prompt,
+            which tells the model to answer without reasoning.
+        Reasoning is shown only in assistant turns after the last user query (the turns of the
+        answer being generated); earlier turns keep just their answer, as Qwen3's template does.
+        """
+        if self.chat_template is None:
+            raise ValueError("this is a base model (no chat template in its tokenizer_config.json "
+                             "or chat_template.jinja): give it plain text, not chat messages")
+        if not ("<|im_start|>" in self.chat_template and "enable_thinking" in self.chat_template):
+            raise ValueError("this model's chat template is not Qwen3's (ChatML turns and the "
+                             "enable_thinking switch), the one chat format written here")
+        if not isinstance(add_generation_prompt, bool) or not isinstance(enable_thinking, bool):
+            raise TypeError("add_generation_prompt and enable_thinking must be True or False")
+        _check_messages(messages)
+        last_query = _last_query_index(messages)
+        turns = []
+        for i, message in enumerate(messages):
+            content = message["content"]
+            if message["role"] == "assistant":
+                content = _assistant_text(message, i > last_query, i == len(messages) - 1)
+            turns.append(f"<|im_start|>{message['role']}\n{content}<|im_end|>\n")
+        if add_generation_prompt:
+            turns.append("<|im_start|>assistant\n" + ("" if enable_thinking else
+                                                      "<think>\n\n</think>\n\n"))
+        return "".join(turns)
+
+
+def _check_messages(messages):
+    """Chat messages must be what the template renders: Qwen3's tool turns are not written here."""
+    if not messages:
+        raise ValueError("messages is empty")
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError(f"message {n} must be a dict with a str 'content', got {message!r}")
+        if message.get("role") not in ("system", "user", "assistant"):
+            raise ValueError(f"message {n}: role {message.get('role')!r} is not system, user or "
+                             "assistant (tool turns are not supported)")
+        if "tool_calls" in message:
+            raise ValueError(f"message {n}: tool_calls are not supported")
+        if not isinstance(message.get("reasoning_content", ""), (str, type(None))):
+            raise ValueError(f"message {n}: reasoning_content must be a str")
+
+
+def _last_query_index(messages):
+    """The index of the last user turn that is a query, not a tool result passed back as a user
+    turn; the last index if there is none (then no assistant turn shows its reasoning)."""
+    for i in reversed(range(len(messages))):
+        content = messages[i]["content"]
+        is_tool_result = (content.startswith("<tool_response>")
+                          and content.endswith("</tool_response>"))
+        if messages[i]["role"] == "user" and not is_tool_result:
+            return i
+    return len(messages) - 1
+
+
+def _assistant_text(message, after_last_query, is_last):
+    """An assistant turn's text. Its reasoning is `reasoning_content` or, failing that, what its
+    content holds before </think>; it is written back in a think block only in the turns that
+    answer the last query (in the last turn, an empty block when there was none)."""
+    content, reasoning = message["content"], message.get("reasoning_content")
+    if reasoning is None:
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+    if after_last_query and (is_last or reasoning):
+        reasoning, content = reasoning.strip("\n"), content.lstrip("\n")
+        return f"<think>\n{reasoning}\n</think>\n\n{content}"
+    return content
+
+
+# The other way, for a tokenizer that exists only as tiktoken ranks (main's demo uses GPT-2's).
+
+def read_ranks(path):
+    """BPE ranks in tiktoken's format, one `base64(token bytes) rank` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"ranks file not found: {path}")
+    ranks = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:  # not two fields, bad base64 (binascii.Error) or a bad integer
+            raise DataError(f"{path}, line {n}: expected '<base64 token> <rank>', got "
+                            f"{line[:80]!r}") from None
+    return ranks
+
+
+def _bpe_parts(token, ranks, below):
+    """The pieces BPE makes of `token`'s bytes with the merges of rank < below only, lowest rank
+    first (tiktoken's rule)."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        pairs = [(ranks.get(a + b, below), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs)
+        if rank >= below:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def byte_level_bpe_json(ranks, added):
+    """A tiktoken BPE with GPT-2's pre-tokenizer, written as Hugging Face's tokenizer.json (a
+    dict): the inverse of load_tokenizer. added: (id, content, special) of each added token.
+    A ranks file stores no merges, only each token's rank; the merge that made a token is what
+    BPE makes of its bytes with the lower ranks alone, which is two pieces for every token that
+    BPE learned (the recovery transformers' converter from tiktoken uses too)."""
+    to_char = {b: c for c, b in byte_level_alphabet().items()}
+
+    def spell(data):
+        return "".join(to_char[b] for b in data)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            parts = _bpe_parts(token, ranks, rank)
+            if len(parts) != 2:
+                raise DataError(f"token {token!r} (rank {rank}) is no merge of two lower ranks")
+            merges.append([spell(parts[0]), spell(parts[1])])
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": True}
+    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+            "added_tokens": [{"id": i, "content": content, "special": special, "normalized": False,
+                              "single_word": False, "lstrip": False, "rstrip": False}
+                             for i, content, special in added],
+            "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {spell(token): rank for token, rank in ranks.items()},
+                      "merges": merges}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 17. Qwen3: the model
+# ----------------------------------------------------------------------------------------------
+# A Qwen3 block is Llama's with one addition: x + attention(rmsnorm(x)), then x + mlp(rmsnorm(x));
+# attention projects to Hq query and Hkv key/value heads, normalizes each query and key head with
+# its own RMSNorm (Qwen3's q/k norm, which keeps attention logits in range without a bias),
+# rotates them by position (RoPE), and attends causally; the MLP is SwiGLU. Every op is computed
+# as transformers' Qwen3ForCausalLM computes it, rounding included, so that fp32 logits agree to
+# 1e-4. On a GPU, RMSNorm, SwiGLU and the prefill's attention run on the Triton kernels of stages
+# 05 and 06 (forward only: nothing here trains); each has its plain torch twin, which runs
+# everywhere and is what the kernels are checked against (`Qwen3.use_kernels`).
+
+# ------------------------------------------------------------------------------------------------
+# 17.1 RMSNorm, on stage 05's row kernels
+# ------------------------------------------------------------------------------------------------
+# RMSNorm y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). The kernel reads x once and
+# writes y once; the torch twin reads and writes several fp32 temporaries. Stage 05's kernels
+# serve LayerNorm too (RMS is a constexpr, and the compiler drops the branch not taken); this
+# stage launches them for RMSNorm only, with no statistics saved for a backward. They hold whole
+# rows in registers, or stream rows wider than _MAX_FUSED_NORM_N (and fp32 rows from 1,024
+# columns) in chunks: 14.3b below.
+
+_MAX_FUSED_NORM_N = 8192  # the norms stream wider 16-bit rows, and fp32 rows from 1,024
+_CHUNK = 4096  # chunk of a streamed (wide) row
+
+
+@triton.jit
+def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N: tl.constexpr, RMS: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # X, Y (n_rows, N); W, B (N,) (B may be None); MEAN, RSTD (n_rows,) fp32, None when not wanted
+    # (MEAN always None for RMS). N is a compile-time constant: where N == BLOCK_N the column mask folds away.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]  # (ROWS, BLOCK_N)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)  # centered; masked lanes stay 0
+        if MEAN is not None:
+            tl.store(MEAN + rows, mean, mask=rows < n_rows)
+    # the variance of centered values: no cancellation, unlike E[x^2] - E[x]^2
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    if RSTD is not None:
+        tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if B is not None:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# 17.1b Rows wider than registers hold: streaming the norm
+# ------------------------------------------------------------------------------------------------
+# A wide row held whole in registers leaves one or two programs per SM, whose loads stop while
+# they reduce and store (layer norm at 16,384 columns: 85% of copy bandwidth on the H200). What
+# streaming adds: one program a row, two passes over chunks of it. Pass 1 keeps running statistics
+# per lane (Welford's update) and merges the lanes once, after the loop; pass 2 re-reads the row,
+# the second time from L2, and writes y. What it buys: the program keeps loading, and the same
+# layer norm reaches 95% of copy bandwidth.
+
+
+@triton.jit
+def _welford_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    # Combine two partial (mean, m2, count) into one (Chan et al.); an empty side changes nothing.
+    n = n_a + n_b
+    frac_b = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
+    delta = mean_b - mean_a
+    return mean_a + delta * frac_b, m2_a + m2_b + delta * delta * n_a * frac_b, n
+
+
+@triton.jit
+def _norm_fwd_chunk(x_ptr, w_ptr, b_ptr, y_ptr, cols, mean, rstd, N, MASKED: tl.constexpr):
+    # y = (x - mean) * rstd * w (+ b) for one chunk of a streamed row
+    mask = cols < N if MASKED else None
+    other = 0.0 if MASKED else None
+    x = tl.load(x_ptr + cols, mask=mask, other=other, eviction_policy="evict_first").to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
+    y = (x - mean) * rstd * w
+    if b_ptr is not None:
+        y += tl.load(b_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, eps, N: tl.constexpr, RMS: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    # Wide rows, one program per row, two passes over chunks of BLOCK_N. Pass 1 keeps running
+    # statistics *per lane* (Welford's update, one value at a time for each of the BLOCK_N lanes)
+    # and merges the lanes once, after the loop: no reduction across lanes, and so no barrier,
+    # inside the loop. N is a compile-time constant (one compile per row width): the loops over
+    # whole chunks have a known trip count, need no mask, and are unrolled, so the loads of
+    # several chunks are in flight at once; a ragged last chunk is handled after each loop.
+    # Pass 2 re-reads the row, which pass 1 asked L2 to keep, and writes y.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * N
+    y_row = Y + row * N
+    FULL: tl.constexpr = N // BLOCK_N * BLOCK_N  # columns in whole chunks
+    cols = tl.arange(0, BLOCK_N)
+    mean = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum of squared deviations (of squares for RMS)
+    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
+        x = tl.load(x_row + start + cols, eviction_policy="evict_last").to(tl.float32)
+        if RMS:
+            m2 += x * x
+        else:
+            delta = x - mean
+            mean += delta * (1.0 / (start // BLOCK_N + 1))  # the lane's k-th value: 1/k of the way
+            m2 += delta * (x - mean)
+    count = tl.full((BLOCK_N,), FULL // BLOCK_N, tl.float32)  # values each lane has seen
+    if FULL < N:  # the ragged last chunk: lanes inside the row take one more value
+        seen = FULL + cols < N
+        x = tl.load(x_row + FULL + cols, mask=seen, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if RMS:
+            m2 += x * x
+        else:
+            count += seen.to(tl.float32)
+            delta = tl.where(seen, x - mean, 0.0)
+            mean += delta / tl.maximum(count, 1.0)  # a lane may have seen nothing yet
+            m2 += delta * (x - mean)
+    if RMS:
+        row_mean = 0.0
+        row_m2 = tl.sum(m2, axis=0)
+    else:
+        row_mean, row_m2, _ = tl.reduce((mean, m2, count), 0, _welford_merge)
+        if MEAN is not None:
+            tl.store(MEAN + row, row_mean)
+    rstd = 1.0 / tl.sqrt(row_m2 / N + eps)
+    if RSTD is not None:
+        tl.store(RSTD + row, rstd)
+    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
+        _norm_fwd_chunk(x_row + start, W + start, B + start if B is not None else None, y_row + start,
+                        cols, row_mean, rstd, N, False)
+    if FULL < N:
+        _norm_fwd_chunk(x_row + FULL, W + FULL, B + FULL if B is not None else None, y_row + FULL,
+                        cols, row_mean, rstd, N - FULL, True)
+
+
+def _rms_norm_rows(x, weight, eps):
+    """x (rows, N) -> y (rows, N), RMSNorm: stage 05's forward launch, for RMS and no statistics."""
+    n_rows, n_cols = x.shape
+    y = torch.empty_like(x)
+    args = (x, weight, None, y, None, None, eps)
+    block_n = triton.next_power_of_2(n_cols)
+    if n_cols > _MAX_FUSED_NORM_N or (x.element_size() == 4 and n_cols >= 1024):
+        # streamed where that is faster on the H200: chunks of half the row (at most _CHUNK),
+        # one 16-byte load a thread a chunk
+        chunk = min(_CHUNK, block_n // 2)
+        _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=True, BLOCK_N=chunk,
+                                           num_warps=chunk * x.element_size() // (16 * 32))
+    else:
+        # whole rows in registers, 16 values a thread, several rows a program when they are short
+        rows = min(max(1, 1024 // block_n), triton.next_power_of_2(n_rows))
+        _norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, RMS=True, ROWS=rows,
+                                                       BLOCK_N=block_n,
+                                                       num_warps=min(16, max(1, rows * block_n // 512)))
+    return y
+
+
+def _check_norm(x, weight, bias):
+    _check_tensor("x", x, rows=True)
+    _check_tensor("weight", weight, device=x.device)
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},) for x {tuple(x.shape)}")
+    if bias is not None:
+        _check_tensor("bias", bias, device=x.device)
+        if bias.shape != x.shape[-1:]:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
+
+
+def rms_norm(x, weight, eps=1e-6):  # changed in 07: forward only
+    """RMSNorm of x (..., N): x / sqrt(mean(x^2) + eps) * weight, weight (N,)."""
+    _check_norm(x, weight, None)
+    return _rms_norm_rows(x.view(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension. The torch twin computes it as transformers does: the
+    statistics in fp32, x normalized in fp32 and rounded to its dtype, then scaled by the weight.
+    The kernel scales in fp32 and rounds once: in bf16 the two differ by a rounding."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels = False  # set by Qwen3.use_kernels
+
+    def forward(self, x):
+        if self.kernels:
+            return rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# 17.2 The SwiGLU MLP, on stage 05's elementwise kernel
+# ------------------------------------------------------------------------------------------------
+# SwiGLU, silu(gate) * up with silu(g) = g * sigmoid(g), is the MLP activation of Llama-style
+# models: down(silu(gate(x)) * up(x)). As torch ops it writes silu(gate) and reads it back; the
+# kernel reads gate and up once and writes the product once.
+
+_ELEMENTWISE_BLOCK = 4096
+
+
+@triton.jit
+def _sigmoid(z):
+    # below z = -88, exp(-z) overflows fp32: harmless on the GPU (1 / inf = 0), but the interpreter
+    # warns; sigmoid(-80) = 2e-35 is as good as 0 for every use here
+    return tl.sigmoid(tl.maximum(z, -80.0))
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(G + offs, mask=offs < n).to(tl.float32)
+    u = tl.load(U + offs, mask=offs < n).to(tl.float32)
+    tl.store(Y + offs, (g * _sigmoid(g) * u).to(Y.dtype.element_ty), mask=offs < n)
+
+
+def _launch_elementwise(kernel, *tensors):
+    n = tensors[0].numel()
+    kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](*tensors, n, BLOCK=_ELEMENTWISE_BLOCK, num_warps=8)
+
+
+def swiglu(gate, up):  # changed in 07: forward only
+    """silu(gate) * up, elementwise; gate and up of one shape and dtype."""
+    _check_tensor("gate", gate)
+    _check_tensor("up", up, device=gate.device)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+    y = torch.empty_like(gate)
+    _launch_elementwise(_swiglu_fwd_kernel, gate, up, y)
+    return y
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels = False
+
+    def forward(self, x):  # x (B, T, C)
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
+        return self.down_proj(swiglu(gate, up) if self.kernels else F.silu(gate) * up)
+
+
+# ------------------------------------------------------------------------------------------------
+# 17.3 Rotary position embeddings
+# ------------------------------------------------------------------------------------------------
+# RoPE tells attention where each token is by rotating its query and key: pair i of a head turns
+# by the angle position * theta^(-2i/D), so the score of a query and a key depends on the
+# difference of their positions only. Qwen3 pairs value i with value i + D/2 ("rotate half"):
+# (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The angles are computed in fp32 and rounded to
+# the activations' dtype only as cos and sin: an angle of 40,000 radians in bf16 would be off by
+# more than a whole turn.
+
+def rope_inv_freq(cfg):
+    """(D/2,) fp32: theta^(-2i/D), the angle per position of pair i. Computed on the CPU as
+    transformers does (pow's last bit may differ on another device)."""
+    D = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device="cpu") / D))
+
+
+def rope_cos_sin(inv_freq, positions, dtype):
+    """cos and sin (B, T, D) of the angles of tokens at positions (B, T), rounded to `dtype`."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, D): values i and i + D/2 share an angle
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, D) with each pair (x_i, x_{i + D/2}) rotated by its angle; cos, sin (B, T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (-x2, x1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# 17.4 Attention: stage 06's flash forward for the prefill, and the torch twin
+# ------------------------------------------------------------------------------------------------
+# A prefill attends causally over the prompt itself: stage 06's flash_attention forward, kept
+# below unchanged but for its autograd wrapper (the conventions: q (B, Hq, T, D), k, v
+# (B, Hkv, S, D), the causal mask aligned bottom-right, grouped-query heads read by index).
+# Decoding attends one new query a row over the cache, each row up to its own length, with the
+# torch twin (a decode kernel is the next step). The twin is transformers' eager attention:
+# scores in the inputs' dtype, the softmax in fp32 rounded back.
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+def _expand_kv(q, k, v):
+    """Repeat each kv head for the G query heads that share it: (B, Hkv, S, D) -> (B, Hq, S, D)."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+# Triton kernels. Every tile moves through a tensor descriptor: on Hopper the copy engine (TMA)
+# fetches it into shared memory, where the tensor cores read it, and rows past the end of T or S
+# come back as zeros, so no load needs a mask. The kernel is autotuned per head size, mask,
+# dtype and sequence-length bucket (the next power of two, 128 to 16384), not per exact length:
+# prompts of every length then tune a handful of times, not once each.
+
+
+def _seq_bucket(n):
+    return min(max(triton.next_power_of_2(n), 128), 16384)
+
+
+def _bench_or_skip(kernel_call, quantiles):
+    """Autotuner timing that scores a configuration the compiler rejects as infinitely slow
+    instead of ending the search. If every configuration
+    fails, the launch that follows raises the compiler's error."""
+    try:
+        return triton.testing.do_bench(kernel_call, quantiles=quantiles)
+    except triton.runtime.errors.OutOfResources:
+        raise  # the autotuner skips these itself, quietly
+    except Exception as err:  # noqa: BLE001 (any compile failure of one configuration)
+        lines = str(err).strip().splitlines()
+        warnings.warn(f"flash attention autotune: skipping a configuration "
+                      f"({type(err).__name__}: {lines[0] if lines else ''})")
+        return [float("inf")] * len(quantiles)
+
+
+def _config(block_m, block_n, warps, stages, head_dims=(32, 64, 128)):
+    """A launch configuration, offered for the head sizes in head_dims only."""
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
+                           num_stages=stages)
+    config.head_dims = head_dims
+    return config
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """The configurations made for this head size. float32 inputs, there for checking rather than
+    speed, get the first configuration untuned: each of their compiles takes seconds."""
+    kept = [c for c in configs if kwargs["D"] in c.head_dims]
+    if named_args and named_args["Q"].dtype == torch.float32:
+        kept = kept[:1]
+    return kept
+
+
+# Tile shapes: each candidate was compiled for sm_90a and kept if it fits shared memory (227 KB)
+# and spills no registers. Under the interpreter, one small configuration, with
+# BLOCK_M != BLOCK_N to exercise that too (the GPU list is built on every machine all the same,
+# so a CPU run checks it).
+# Forward: 128 query rows, 64 or 128 keys a step. 8 warps are two warpgroups of 64 rows (4
+# spill at D=128). Not offered: Triton 3.6's warp-specialized key loop
+# (tl.range(..., warp_specialize=True)), which gave wrong outputs on the H200 for non-causal
+# attention with S a multiple of 128.
+_FWD_CONFIGS = (
+    [_config(128, n, 8, s) for n, s in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))]
+    + [_config(128, n, 4, s, (32, 64)) for n, s in ((64, 2), (64, 3), (128, 2))]
+    + [_config(64, n, 8, 2, (256,)) for n in (32, 64)]
+)
+if INTERPRET:
+    _FWD_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS)]
+
+
+@triton.jit
+def _visible(i, j, T, S, CAUSAL: tl.constexpr):
+    """Query i may attend key j: both inside their sequences, and j <= i + (S - T) if causal.
+    i and j broadcast: (M, 1) and (1, N) give an (M, N) mask."""
+    keep = (i < T) & (j < S)
+    if CAUSAL:
+        keep = keep & (j <= i + (S - T))
+    return keep
+
+
+@triton.jit
+def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, lo, hi, offs_m, T, S, qk_scale,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) for one query block. m_i, l_i: running max
+    and sum, base 2; acc (BLOCK_M, D): the unnormalized output. MASKED=False is for blocks where
+    every query sees every key: no mask arithmetic, and one FMA per score."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+        qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) raw scores
+        if MASKED:
+            keep = _visible(offs_m[:, None], (start_n + offs_n)[None, :], T, S, CAUSAL)
+            s = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with no visible key so far keeps m = -inf: subtract 0, so exp2 gives 0
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
+        else:
+            # the scale is positive, so it commutes with the max; qk * scale - m is one FMA
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([start_n, 0])  # (BLOCK_N, D)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# The forward's prologue: one program per (query block, batch * query head), and the keys it
+# walks (stage 06's dQ kernel shared these three pieces).
+@triton.jit
+def _query_block_program(Hq, GROUP, CAUSAL: tl.constexpr):
+    """This program's query block and (batch, query head, kv head). Causal: later query blocks see
+    more keys, so they start first and the short ones fill the last wave."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    return pid_m, pid_bh, b, h, h // GROUP
+
+
+@triton.jit
+def _head_desc(base, b, h, stride_b, stride_h, rows, stride_row, D: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Tensor descriptor of head h of batch b, a (rows, D) matrix read BLOCK rows at a time."""
+    return tl.make_tensor_descriptor(base + b * stride_b + h * stride_h, shape=[rows, D],
+                                     strides=[stride_row, 1], block_shape=[BLOCK, D])
+
+
+@triton.jit
+def _key_range(start_m, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full, hi) for the query block at start_m: keys [0, full) are visible to every row of the
+    block; [full, hi) need the mask (the diagonal and the ragged end of S); keys from hi on are
+    visible to none and are skipped. full is a whole number of key blocks."""
+    if CAUSAL:
+        hi = tl.minimum(S, tl.maximum(start_m + BLOCK_M + (S - T), 0))
+        full = tl.minimum(S, tl.maximum(start_m + 1 + (S - T), 0))
+    else:
+        hi = S
+        full = S
+    return full // BLOCK_N * BLOCK_N, hi
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["T_BUCKET", "S_BUCKET", "D", "CAUSAL", "EVEN_S"],
+                 prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_bench_or_skip)
+@triton.jit(do_not_specialize=["T", "S"])
+def _flash_fwd_kernel(Q, K, V, O, LSE2, qk_scale,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                      stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                      Hq, GROUP, T, S, T_BUCKET, S_BUCKET,
+                      D: tl.constexpr, CAUSAL: tl.constexpr, EVEN_S: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query block, batch * query head).
+    Q, O (B, Hq, T, D) and K, V (B, Hkv, S, D): any strides, unit last stride. LSE2 (B, Hq, T)
+    float32: the log-sum-exp in base 2. qk_scale = sm_scale * log2(e). GROUP = Hq // Hkv: query
+    head h reads kv head h // GROUP. EVEN_S: S is a multiple of 128, so without the causal mask
+    no key block needs masking. T_BUCKET, S_BUCKET: autotune keys only."""
+    pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
+    k_desc = _head_desc(K, b, kvh, stride_kb, stride_kh, S, stride_kt, D, BLOCK_N)
+    v_desc = _head_desc(V, b, kvh, stride_vb, stride_vh, S, stride_vt, D, BLOCK_N)
+    o_desc = _head_desc(O, b, h, stride_ob, stride_oh, T, stride_ot, D, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([start_m, 0])  # (BLOCK_M, D), stays on chip for the whole loop
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    full, hi = _key_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, 0, full, offs_m, T, S,
+                                 qk_scale, BLOCK_N, CAUSAL, False, DOT_PRECISION)
+    if CAUSAL or not EVEN_S:
+        acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, full, hi, offs_m, T, S,
+                                     qk_scale, BLOCK_N, CAUSAL, True, DOT_PRECISION)
+    empty = l_i == 0.0  # rows that saw no key: output 0, lse -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_desc.store([start_m, 0], (acc / l_safe[:, None]).to(q.dtype))  # rows past T are dropped
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    tl.store(LSE2 + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=offs_m < T)
+
+
+# Python wrappers: check, allocate, launch.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v, causal, sm_scale):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, "
+                            f"got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D (B, H, T, D), "
+                             f"got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"flash_attention: k and v must have the same shape, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    (B, Hq, T, D), (Bk, Hkv, S, Dk) = q.shape, k.shape
+    if B != Bk:
+        raise ValueError(f"flash_attention: batch sizes differ: q has {B}, k and v have {Bk}")
+    if D != Dk:
+        raise ValueError(f"flash_attention: head sizes differ: q has D={D}, k and v have D={Dk}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"flash_attention: query heads ({Hq}) must be a multiple of "
+                         f"kv heads ({Hkv})")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"flash_attention: head size D={D} is not supported; "
+                         f"use one of {HEAD_DIMS}")
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(f"flash_attention: empty input (q {tuple(q.shape)}, k {tuple(k.shape)})")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"flash_attention: q, k, v must share a dtype, "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported; "
+                        f"use float16, bfloat16 or float32")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"flash_attention: q, k, v must be on one device, "
+                         f"got {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and INTERPRET):
+        raise ValueError(f"flash_attention: tensors on {q.device} need a CUDA device (or, on the "
+                         f"CPU, Triton's interpreter: TRITON_INTERPRET=1 before triton loads)")
+    if not isinstance(causal, bool):  # a string such as "no" would be truthy
+        raise TypeError(f"flash_attention: causal must be True or False, got {causal!r}")
+    if sm_scale is not None:
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+            raise TypeError(f"flash_attention: sm_scale must be a number or None, got {sm_scale!r}")
+        if not (math.isfinite(sm_scale) and sm_scale > 0):
+            raise ValueError(f"flash_attention: sm_scale must be positive and finite, got {sm_scale}")
+
+
+def _kernel_ready(x):
+    """The kernels take any strides, but a tensor descriptor needs a unit last stride and a
+    16-byte aligned start and row strides: anything else is copied once."""
+    size = x.element_size()
+    aligned = x.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in x.stride()[:-1])
+    return x if x.stride(-1) == 1 and aligned else x.contiguous()
+
+
+def _dot_precision(dtype):
+    """float32 inputs: each product as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi),
+    good to about 1e-6, where plain tf32 (Triton's default) keeps 10 mantissa bits and "ieee"
+    leaves the tensor cores. float16 and bfloat16 ignore the setting."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _launch(kernel, grid, *args, **meta):
+    """Launch. Tensor descriptors built inside a kernel live in a small global scratch buffer,
+    which Triton allocates through set_allocator. A head size that fits no tile configuration
+    (D=256 in float32, say) becomes a clear error."""
+    triton.set_allocator(_scratch)
+    try:
+        kernel[grid](*args, **meta)
+    except triton.runtime.errors.OutOfResources as err:
+        raise ValueError(f"flash_attention: D={meta['D']} does not fit this GPU's shared memory "
+                         f"in {args[0].dtype} ({err}); use a smaller head size or bf16/fp16"
+                         ) from err
+
+
+def _flash_forward(q, k, v, causal, sm_scale):
+    """q (B, Hq, T, D), k, v (B, Hkv, S, D) -> out (B, Hq, T, D), lse2 (B, Hq, T) float32."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    # Allocated as (B, T, Hq, D) and viewed as (B, Hq, T, D): the model merges the heads back
+    # into (B, T, C) right after, and from this layout that merge is a view, not a copy.
+    out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse2 = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    _launch(_flash_fwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq),
+            q, k, v, out, lse2, sm_scale * LOG2E,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            Hq, Hq // Hkv, T, S, _seq_bucket(T), _seq_bucket(S),
+            D=D, CAUSAL=causal, EVEN_S=S % 128 == 0, DOT_PRECISION=_dot_precision(q.dtype))
+    return out, lse2
+
+
+def _scratch(size, alignment, stream):
+    """Global memory for the tensor descriptors a kernel builds (Triton asks via set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def flash_attention(q, k, v, causal=True, sm_scale=None):  # changed in 07: forward only
+    """softmax(sm_scale * q k^T, masked) v: q (B, Hq, T, D), k, v (B, Hkv, S, D) -> (B, Hq, T, D).
+    Hq a multiple of Hkv: query head h attends with kv head h // (Hq // Hkv). D in {32, 64, 128,
+    256}. float16, bfloat16 or float32. CUDA tensors, or CPU ones under the interpreter. causal:
+    query i sees key j iff j <= i + (S - T), the mask aligned to the bottom-right corner. sm_scale
+    defaults to 1/sqrt(D). Queries that see no key (causal with T > S: the first T - S) get 0."""
+    _check_inputs(q, k, v, causal, sm_scale)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    return _flash_forward(q, k, v, causal, scale)[0]
+
+
+def attention_torch(q, k, v, positions):
+    """Causal attention by position: the query of row b at positions[b, t] sees keys 0 through
+    positions[b, t] of its row. q (B, Hq, T, D); k, v (B, Hkv, S, D), S > every position
+    -> (B, Hq, T, D)."""
+    k, v = _expand_kv(q, k, v)  # (B, Hq, S, D)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, Hq, T, S)
+    keys = torch.arange(k.shape[2], device=q.device)
+    visible = keys[None, None, :] <= positions[:, :, None]  # (B, T, S)
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer):
+        super().__init__()
+        C, Hq, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(C, Hq * D, bias=False)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(Hq * D, C, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)  # over each head's D values, before RoPE
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head_dim, self.layer = D, layer  # layer: which of the cache's layers is this one's
+        self.kernels = False
+
+    def forward(self, x, rope, cache=None, kv_len=None):
+        """x (B, T, C) -> (B, T, C). rope: (cos, sin, positions) of the tokens. cache, kv_len: see
+        Qwen3.hidden_states."""
+        B, T, _ = x.shape
+        cos, sin, positions = rope
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.write(self.layer, k, v, positions)
+        if kv_len is not None:  # continuing sequences: attend over the cache
+            k, v = cache.read(self.layer, B, kv_len)  # (B, Hkv, kv_len, D)
+            out = attention_torch(q, k, v, positions)
+        elif self.kernels:  # whole sequences from position 0: plain causal attention
+            out = flash_attention(q, k, v, causal=True)
+        else:
+            out = attention_torch(q, k, v, positions)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # heads merged: (B, T, Hq * D)
+
+
+# ------------------------------------------------------------------------------------------------
+# 17.5 The model
+# ------------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, cache=None, kv_len=None):  # x (B, T, C)
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3(nn.Module):
+    """Qwen3ForCausalLM, dense. Its parameters have the checkpoint's names
+    (model.layers.0.self_attn.q_proj.weight, ...), so loading renames nothing. With tied
+    embeddings there is no lm_head: the output layer is the embedding matrix itself."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def use_kernels(self, on=True):
+        """Run RMSNorm, SwiGLU and the prefill's attention on the Triton kernels (CUDA tensors, or
+        CPU ones under the interpreter), or on their torch twins. Returns the model."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = on
+        return self
+
+    def forward(self, input_ids, positions=None, cache=None, kv_len=None):
+        """logits (B, T, V) for input_ids (B, T), in the model's dtype; the other arguments as in
+        hidden_states. The ids are checked against the vocabulary, which reads two numbers back
+        from the device; the engine, which checks prompts on the host, calls hidden_states."""
+        _check_ids(input_ids, self.cfg.vocab_size)
+        return self.logits(self.hidden_states(input_ids, positions, cache, kv_len))
+
+    def hidden_states(self, input_ids, positions=None, cache=None, kv_len=None):
+        """The final normalized hidden states (B, T, C) of input_ids (B, T).
+        Without a cache: whole sequences, token t at position t.
+        With a cache (a KVCache of at least B rows), the keys and values of token t of row b are
+        also written to the cache's row b at the token's position, and either
+          kv_len is None: a prefill: whole sequences from position 0, attending to each other;
+          kv_len is given, with positions (B, T): the tokens continue the sequences in the cache,
+            each attending to every cached position up to its own (all below kv_len)."""
+        if (positions is None) != (kv_len is None) or (kv_len is not None and cache is None):
+            raise ValueError("positions and kv_len go together, and with a cache")
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B, T, D) each
+        for block in self.model.layers:
+            x = block(x, (cos, sin, positions), cache, kv_len)
+        return self.model.norm(x)
+
+    def logits(self, h):
+        """h (..., C) -> logits (..., V)."""
+        tied = self.cfg.tie_word_embeddings
+        return F.linear(h, self.model.embed_tokens.weight if tied else self.lm_head.weight)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+
+def _check_ids(ids, vocab_size):
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be a (B, T) tensor of int64 or int32 token ids, got "
+                         f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__} "
+                         f"{tuple(getattr(ids, 'shape', ()))}")
+    capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing reads back then
+    if ids.numel() and not capturing:
+        low, high = (int(x) for x in torch.aminmax(ids))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {low} to {high}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 18. The KV cache
+# ----------------------------------------------------------------------------------------------
+# Without a cache, token n of a generation recomputes the keys and values of all n - 1 tokens
+# before it: O(n^2) work for n tokens. They never change (a causal model's token t depends on
+# tokens <= t only), so compute each once and keep it: a decode step then runs the model on one
+# token a row and reads the rest from the cache. Per token the cache holds 2 * L * Hkv * D values:
+# 112 KiB for Qwen3-0.6B in bf16 (28 x 8 x 128 x 2 x 2 bytes), 144 KiB for Qwen3-8B; grouped-query
+# attention is what keeps that small (Hkv = 8 kv heads where Hq = 16 or 32 query heads).
+#
+# Preallocated: the engine knows before the first token how long each sequence may get (prompt +
+# max_tokens), so the cache is allocated once, for the whole batch, and each step writes into it.
+# (transformers' default cache concatenates one more token per step instead: a new allocation
+# and a copy of the whole cache, every step, every layer.) Its addresses never change, which the
+# CUDA graphs of the fast decode will need.
+
+class KVCache:
+    """Keys and values of every layer for `rows` sequences of up to `length` positions:
+    k and v are (L, rows, Hkv, length, D). Row b is the batch's sequence b, and position p of a
+    row holds the key and value of that sequence's token p."""
+
+    def __init__(self, cfg, rows, length, device, dtype):
+        shape = (cfg.num_hidden_layers, rows, cfg.num_key_value_heads, length, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def rows(self):
+        return self.k.shape[1]
+
+    @property
+    def length(self):
+        return self.k.shape[3]
+
+    def write(self, layer, k, v, positions):
+        """Store k, v (B, Hkv, T, D) of `layer` into rows 0..B-1, token t of row b at position
+        positions[b, t]."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        # indexing (rows, :, positions) addresses a (B, T, Hkv, D) block of the layer's cache
+        self.k[layer][rows, :, positions] = k.transpose(1, 2)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+
+    def read(self, layer, batch, kv_len):
+        """Views, no copy: the first kv_len positions of rows 0..batch-1, (batch, Hkv, kv_len, D)."""
+        return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 34. Sampling
+# ----------------------------------------------------------------------------------------------
+# The logits of a step become tokens in vLLM's order: penalties on the raw logits, then
+# temperature, then the filters top-k, top-p and min-p, then a draw; temperature 0 takes the
+# argmax after the penalties instead. Every row of a batch has its own values, held as (B,)
+# tensors, so the whole batch goes through one sequence of kernels and nothing is read back to
+# the host until the engine reads the tokens. Stage 03's filter_logits grows into the per-row
+# version below.
+#
+# The draw is the exponential race: with E_i ~ Exp(1) independent, argmax_i p_i / E_i is token i
+# with probability p_i (E_i / p_i is the time an Exp(p_i) clock rings, and the first of several
+# independent clocks is clock i with probability p_i / sum p). Its noise is one tensor a row,
+# which is what a seed needs: a seeded row draws its noise from its own generator, and gets the
+# same tokens whatever else is in the batch (torch.multinomial consumes one stream for the batch).
+
+NEG_INF = float("-inf")
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as in vLLM: logits / 1e-30 overflow
+STRUCTURED_FIELDS = ("regex", "choice", "json_schema")  # structured output: one at most
+
+
+def _is_int(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. Checked on construction: a bad value is a
+    ValueError naming the field, here, rather than a wrong result on the device later."""
+    max_tokens: int | None = 16  # tokens to generate at most; None: up to the context limit
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
+    top_k: int = 0  # keep the k likeliest tokens (ties with the k-th kept too); 0: all
+    top_p: float = 1.0  # keep the likeliest tokens until their probability reaches top_p; 1: all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest; 0: none
+    repetition_penalty: float = 1.0  # > 1: tokens of the prompt or the output become less likely
+    presence_penalty: float = 0.0  # subtracted from the logit of every token in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    seed: int | None = None  # this request's own random stream; None: torch's global one
+    stop_token_ids: tuple = ()  # ids that end the request ("stop"), besides the eos ids
+    ignore_eos: bool = False  # do not stop at the eos ids
+    logprobs: int | None = None  # report the sampled token's logprob and this many top ones
+    regex: str | None = None  # structured output: the text must match this regex,
+    choice: tuple | None = None  # or be one of these strings,
+    json_schema: dict | str | None = None  # or be JSON valid against this schema
+
+    def __post_init__(self):
+        def need(ok, name, what):
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {what}")
+
+        need(self.max_tokens is None or _is_int(self.max_tokens) and self.max_tokens >= 1,
+             "max_tokens", "must be a positive int, or None for up to the context limit")
+        need(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+             "must be a finite number >= 0 (0 is greedy)")
+        need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0 (0 keeps all)")
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty", "must be a finite number > 0 (1 is none)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(_is_number(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name,
+                 "must be in [-2, 2]")
+        need(self.seed is None or _is_int(self.seed) and 0 <= self.seed < 2**64, "seed",
+             "must be an int in [0, 2**64) or None")
+        ids = self.stop_token_ids
+        need(not isinstance(ids, (str, bytes)) and _iterable(ids) and all(
+            _is_int(i) and i >= 0 for i in ids), "stop_token_ids", "must be a list of token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be True or False")
+        need(self.logprobs is None or _is_int(self.logprobs) and self.logprobs >= 0, "logprobs",
+             "must be None or an int >= 0: how many top logprobs besides the sampled token's")
+        self._check_structured(need)
+
+    def _check_structured(self, need):
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams: {' and '.join(given)} exclude each other; set one")
+        for name in given:  # compiled here (and cached), so a bad constraint fails right away
+            try:
+                compile_grammar(**{name: getattr(self, name)})
+            except GrammarError as e:
+                need(False, name, str(e))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+
+def _iterable(x):
+    try:
+        iter(x)
+    except TypeError:
+        return False
+    return True
+
+
+def filter_logits(logits, top_k, top_p, min_p):  # changed in 07: one value per row, and min-p
+    """Set to -inf every logit that top-k, then top-p, then min-p rule out, each row with its own
+    values. logits (B, V); top_k (B,) int64 (V keeps all), top_p (B,) in (0, 1] (1 keeps all),
+    min_p (B,) in [0, 1] (0 keeps all).
+
+    top_k keeps the k largest (and any tied with the k-th). top_p keeps the smallest set of most
+    likely tokens whose probabilities add up to at least top_p: the token that crosses it stays,
+    and so does the most likely one. min_p drops the tokens less likely than min_p times the most
+    likely one. top-p and min-p see the distribution that the filters before them left.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    kth = sorted_logits.gather(-1, (top_k.clamp(1, logits.shape[-1]) - 1)[:, None])  # (B, 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    # top_p = 1 keeps all: a float32 cumsum may reach 1 before the last token
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    # min-p: p_i < min_p * p_max <=> logit_i < logit_max + log(min_p), a ratio that the
+    # renormalization after top-k and top-p leaves unchanged; log(0) = -inf drops nothing
+    drop |= sorted_logits < sorted_logits[:, :1] + torch.log(min_p)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
+    return torch.full_like(logits, NEG_INF).scatter(-1, order, sorted_logits)
+
+
+class SamplingBatch:
+    """The sampling state of one batch, on the device: each row's parameters as (B,) tensors, a
+    generator for each seeded row and, when a row has a penalty, which tokens each prompt holds
+    and how often each token is in each output so far. Built once per batch; each step reads it
+    and `record` adds the step's tokens, with no host sync."""
+
+    def __init__(self, params, prompts, vocab_size, device):
+        def column(name):
+            return torch.tensor([float(getattr(p, name)) for p in params], device=device)  # (B,)
+
+        self.temperature, self.top_p, self.min_p = column("temperature"), column("top_p"), column("min_p")
+        self.greedy = self.temperature < GREEDY_BELOW  # (B,) bool
+        self.top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device)
+        self.repetition_penalty = column("repetition_penalty")
+        self.presence_penalty, self.frequency_penalty = column("presence_penalty"), column("frequency_penalty")
+        # which stages the batch needs, decided here on the host: a greedy batch skips the sort
+        # of 151,936 logits a row, a batch without penalties their (B, V) bookkeeping
+        self.all_greedy = all(p.temperature < GREEDY_BELOW for p in params)
+        self.filters = any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params)
+        self.penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+                             for p in params)
+        self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        self.generators = {row: torch.Generator(device).manual_seed(p.seed)
+                           for row, p in enumerate(params) if p.seed is not None}
+        self.counts = self.in_prompt = None
+        if self.penalties:
+            self.counts = torch.zeros(len(params), vocab_size, device=device)  # (B, V)
+            self.in_prompt = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+            for row, ids in enumerate(prompts):
+                self.in_prompt[row, torch.tensor(ids, device=device)] = True
+
+    def record(self, tokens):
+        """Count the step's tokens (B,) into each row's output, for the penalties."""
+        if self.counts is not None:
+            self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(self.counts[:, :1]))
+
+
+def apply_penalties(logits, batch):
+    """vLLM's penalties, each row its own: the repetition penalty divides the positive logits (and
+    multiplies the negative ones) of every token seen in the prompt or the output; the frequency
+    penalty subtracts once per occurrence in the output, the presence penalty once if present."""
+    counts = batch.counts  # (B, V)
+    in_output = counts > 0
+    r = batch.repetition_penalty[:, None]
+    penalized = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(batch.in_prompt | in_output, penalized, logits)
+    logits = logits - batch.frequency_penalty[:, None] * counts
+    return logits - batch.presence_penalty[:, None] * in_output
+
+
+def draw(probs, generators):
+    """One token a row from probs (B, V) by the exponential race; generators: {row: generator}
+    for the seeded rows, the others use torch's global generator."""
+    B, V = probs.shape
+    u = torch.rand(B, V, device=probs.device) if len(generators) < B else torch.empty_like(probs)
+    for row, generator in generators.items():
+        u[row] = torch.rand(V, generator=generator, device=probs.device)
+    # E = -log(u) with u in [0, 1) lies in (0, inf]: never 0, so p / E is never 0 / 0
+    return (probs / -torch.log(u)).argmax(dim=-1)
+
+
+class Sampler:
+    """logits -> tokens, each row by its own SamplingParams."""
+
+    def __call__(self, logits, batch, masks=None):
+        """logits (B, V) -> (tokens (B,) int64, logprobs). masks: None, or per row the (V,) bool
+        mask of the tokens its structured output allows (None for a free row), applied first
+        and in place, on the device (see apply_token_masks). logprobs: None, or when a row asks,
+        (sampled (B,), top values (B, k), top ids (B, k)) of the log-softmax of the raw logits,
+        before any mask, penalty or filter (vLLM's default)."""
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.top_logprobs is not None else None
+        if masks is not None:
+            apply_token_masks(logits, masks)
+        if batch.penalties:
+            logits = apply_penalties(logits, batch)
+        tokens = logits.argmax(dim=-1)  # greedy rows keep this
+        if not batch.all_greedy:
+            sampled = draw(self.probs(logits, batch), batch.generators)
+            tokens = torch.where(batch.greedy, tokens, sampled)
+        batch.record(tokens)
+        logprobs = None
+        if raw_logprobs is not None:
+            top = raw_logprobs.topk(batch.top_logprobs, dim=-1)
+            logprobs = (raw_logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices)
+        return tokens, logprobs
+
+    @staticmethod
+    def probs(logits, batch):
+        """softmax(filtered(logits / temperature)) (B, V): what each sampled row draws from (greedy
+        rows get temperature 1 here; their draw is not used). logits: after the penalties."""
+        temperature = torch.where(batch.greedy, 1.0, batch.temperature)
+        logits = logits / temperature[:, None]
+        if batch.filters:
+            logits = filter_logits(logits, batch.top_k, batch.top_p, batch.min_p)
+        return logits.softmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 34. Structured output: a regex, a choice or a JSON schema as a mask over the vocabulary
+# ----------------------------------------------------------------------------------------------
+#
+# A constraint is compiled once into a deterministic automaton over BYTES; then at every decode
+# step the sampler forbids each token whose bytes would walk that automaton off its live states:
+#
+#   regex / choice / json_schema ──parse──▶ tree of character sets (Chars, Concat, Alt, Repeat)
+#       ──Thompson──▶ NFA over bytes (each character set spelled out as its UTF-8 byte ranges)
+#       ──subset construction──▶ ByteDFA: trans[state, byte] → next state, or -1 (dead)
+#       ──TokenMasker──▶ per state, the bool mask of allowed tokens (a trie walk, then cached)
+#
+# Why bytes: a byte-level BPE token may end inside a character ("é" is two bytes and a token
+# may hold only the first), so the automaton must be able to stop between the bytes of one
+# character. Why a DFA: a request's grammar state is then one int, advancing it is a table
+# lookup, and a mask can be cached per state.
+#
+# How the engine uses it:
+#   compile_grammar(regex=, choice=, json_schema=) → ByteDFA; raises GrammarError (a ValueError)
+#       naming what it does not support. SamplingParams calls it on construction.
+#   GrammarCache(vocab, eos_ids, device).get(regex=, choice=, json_schema=) → TokenMasker (or
+#       None): LLM holds one, built at the first structured request; vocab[i] is token i's bytes
+#       (None: no text, e.g. special tokens and the model's ids beyond its tokenizer; see
+#       grammar_vocab).
+#   TokenMasker: start (0), mask(state) → (V,) bool tensor on the device (True = allowed),
+#       advance(state, token_id) → next state (DEAD if the token was not allowed),
+#       is_accepting(state), is_finished(state) (accepting, nothing may follow: stop now).
+#       A Sequence keeps its TokenMasker and state and advances it with each token it appends;
+#       the ModelRunner asks it for the step's mask; the Scheduler ends it ("stop") once finished.
+#   apply_token_masks(logits, masks): one masked_fill over the batch, no host sync; the Sampler
+#       applies it before penalties, temperature and the filters.
+
+DEAD = -1  # the automaton's "no match possible any more" state
+
+
+class GrammarError(ValueError):
+    """A regex, choice or JSON schema this stage cannot compile; the message names the construct."""
+
+
+# The tree every constraint is parsed into. A character is a set of code points; everything else
+# is built from concatenation, alternation and bounded or unbounded repetition.
+
+@dataclass(frozen=True)
+class Chars:
+    ranges: tuple  # ((lo, hi), ...) code points: sorted, disjoint, no surrogates; () = nothing
+
+
+@dataclass(frozen=True)
+class Concat:
+    parts: tuple  # one after the other; () matches the empty string
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple
+
+
+@dataclass(frozen=True)
+class Repeat:
+    node: object
+    lo: int
+    hi: object  # an int, or None for unbounded
+
+
+@dataclass(frozen=True)
+class Separated:
+    """Items in order, each (node, required), with `sep` between the items present: the body of
+    a JSON object whose optional properties may be left out. Spelled with Concat and Alt this
+    needs every property once per choice of the first property present (quadratic); as a node of
+    its own the NFA holds each property once."""
+    items: tuple
+    sep: object
+
+
+MAX_CODE_POINT = 0x10FFFF
+
+
+def char_set(ranges, negate=False):
+    """Chars from (lo, hi) code point pairs in any order, overlapping or not; `negate` takes the
+    complement. The surrogates U+D800..U+DFFF are dropped: UTF-8 cannot encode them, so no
+    generated text holds one."""
+    merged = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    if negate:
+        gaps, nxt = [], 0
+        for lo, hi in merged:
+            if lo > nxt:
+                gaps.append([nxt, lo - 1])
+            nxt = hi + 1
+        merged = gaps + ([[nxt, MAX_CODE_POINT]] if nxt <= MAX_CODE_POINT else [])
+    out = []
+    for lo, hi in merged:  # each range minus the surrogate block: the part below and above it
+        for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
+            if a <= b:
+                out.append((a, b))
+    return Chars(tuple(out))
+
+
+def chars(text):
+    """One character out of those in `text`."""
+    return char_set([(ord(c), ord(c)) for c in text])
+
+
+def literal(text):
+    """Exactly `text`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GrammarError(f"{text!r} holds a lone surrogate, which UTF-8 cannot encode") from None
+    return Concat(tuple(chars(c) for c in text))
+
+
+def optional(node):
+    return Repeat(node, 0, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Regex → tree. The subset: literals; escapes \n \t \r \f \v \a \xhh \uhhhh \Uhhhhhhhh and any
+# escaped punctuation; classes [...] with ranges and ^ negation; . (anything but a newline);
+# \d \w \s and \D \W \S with ASCII meanings (as Python's re.ASCII: [0-9], [0-9A-Za-z_],
+# [\t\n\v\f\r ]); groups ( ) and (?: ); alternation |; quantifiers ? * + {m} {m,} {m,n} {,n},
+# also lazy (*? etc.: under a full match they accept the same strings). The whole output must
+# match, as re.fullmatch. Anchors, lookaround, backreferences, inline flags, possessive
+# quantifiers and a bare '{' are errors that name the construct.
+# ----------------------------------------------------------------------------------------------
+
+ASCII_CLASSES = {"d": [(0x30, 0x39)], "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+                 "s": [(0x09, 0x0D), (0x20, 0x20)]}
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
+HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}  # the escape letter → how many hex digits follow
+HEX_DIGITS = "0123456789abcdefABCDEF"
+UNSUPPORTED_ESCAPES = {"b": "word boundary", "B": "word boundary", "A": "anchor", "Z": "anchor",
+                       "z": "anchor", "N": "named character", "p": "Unicode property",
+                       "P": "Unicode property"}
+GROUP_EXTENSIONS = (("(?=", "lookahead"), ("(?!", "negative lookahead"), ("(?<=", "lookbehind"),
+                    ("(?<!", "negative lookbehind"), ("(?P", "named group or backreference"),
+                    ("(?#", "comment"), ("(?>", "atomic group"), ("(?(", "conditional"),
+                    ("(?", "inline flag"))  # the first prefix that matches names the construct
+QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
+BRACES = re.compile(r"\{(\d*)(,?)(\d*)\}")
+MAX_REPEAT = 1000  # {m,n} beyond this would build NFAs of millions of states
+ANY_BUT_NEWLINE = char_set([(0x0A, 0x0A)], negate=True)
+
+
+class RegexParser:
+    """Recursive descent over the subset above, one method per rule:
+
+        alternation   := concatenation ('|' concatenation)*
+        concatenation := repetition*
+        repetition    := atom [quantifier ['?']]
+        atom          := character | '.' | escape | '[' class ']' | '(' ['?:'] alternation ')'
+    """
+
+    def __init__(self, pattern):
+        self.pattern, self.pos = pattern, 0
+
+    def parse(self):
+        node = self.alternation()
+        if self.pos < len(self.pattern):  # only an unmatched ')' stops the top alternation early
+            raise self.error("unbalanced ')'")
+        return node
+
+    def error(self, what):
+        return GrammarError(f"regex {self.pattern!r}, position {self.pos}: {what}")
+
+    def peek(self, k=0):
+        i = self.pos + k
+        return self.pattern[i] if i < len(self.pattern) else ""
+
+    def take(self):
+        if self.pos >= len(self.pattern):
+            raise self.error("unexpected end of pattern")
+        self.pos += 1
+        return self.pattern[self.pos - 1]
+
+    def alternation(self):
+        options = [self.concatenation()]
+        while self.peek() == "|":
+            self.pos += 1
+            options.append(self.concatenation())
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    def concatenation(self):
+        parts = []
+        while self.peek() not in ("", "|", ")"):
+            parts.append(self.repetition())
+        return parts[0] if len(parts) == 1 else Concat(tuple(parts))
+
+    def repetition(self):
+        node = self.atom()
+        bounds = self.quantifier()
+        if bounds is None:
+            return node
+        if self.peek() == "?":  # lazy: the same strings match in full, so it is kept as greedy
+            self.pos += 1
+        elif self.peek() == "+":
+            raise self.error("possessive quantifier is not supported")
+        if self.peek() in QUANTIFIERS or self.peek() == "{":
+            raise self.error("multiple repeat: a quantifier cannot follow a quantifier")
+        return Repeat(node, *bounds)
+
+    def quantifier(self):
+        """(lo, hi) of the quantifier at the cursor, consuming it; None if there is none."""
+        c = self.peek()
+        if c in QUANTIFIERS:
+            self.pos += 1
+            return QUANTIFIERS[c]
+        if c != "{":
+            return None
+        m = BRACES.match(self.pattern, self.pos)
+        if not m or not (m[1] or m[3]):
+            raise self.error("a literal '{' must be escaped as \\{ (a repeat is {m}, {m,}, "
+                             "{m,n} or {,n})")
+        lo = int(m[1] or 0)
+        hi = lo if not m[2] else (int(m[3]) if m[3] else None)
+        if hi is not None and hi < lo:
+            raise self.error(f"min repeat {lo} is greater than max repeat {hi}")
+        if max(lo, hi or 0) > MAX_REPEAT:
+            raise self.error(f"repeat count above {MAX_REPEAT}")
+        self.pos = m.end()
+        return lo, hi
+
+    def atom(self):
+        c = self.take()
+        if c == "(":
+            return self.group()
+        if c == "[":
+            return self.char_class()
+        if c == ".":
+            return ANY_BUT_NEWLINE
+        if c == "\\":
+            got = self.escape(in_class=False)
+            return got if isinstance(got, Chars) else char_set([(got, got)])
+        if c in "*+?{":
+            self.pos -= 1
+            raise self.error(f"nothing to repeat before '{c}'" if c != "{" else
+                             "a literal '{' must be escaped as \\{")
+        if c in "^$":
+            raise self.error(f"anchor '{c}' is not supported (the whole output must match anyway)")
+        return chars(c)
+
+    def group(self):
+        if self.peek() == "?":
+            if self.peek(1) != ":":
+                rest = self.pattern[self.pos - 1:]
+                name = next(name for prefix, name in GROUP_EXTENSIONS if rest.startswith(prefix))
+                raise self.error(f"{name} {rest[:4]!r}... is not supported")
+            self.pos += 2
+        node = self.alternation()
+        if self.peek() != ")":
+            raise self.error("missing ')'")
+        self.pos += 1
+        return node
+
+    def char_class(self):
+        negate = self.peek() == "^"
+        self.pos += negate
+        ranges, first = [], True
+        while True:
+            if self.pos >= len(self.pattern):
+                raise self.error("unterminated character class")
+            if self.peek() == "]" and not first:  # a ']' right after '[' or '[^' is a literal
+                self.pos += 1
+                return char_set(ranges, negate)
+            first = False
+            lo = self.class_member()
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.pos += 1
+                hi = self.class_member()
+                if isinstance(lo, Chars) or isinstance(hi, Chars) or hi < lo:
+                    raise self.error("bad character range")
+                ranges.append((lo, hi))
+            else:
+                ranges.extend(lo.ranges if isinstance(lo, Chars) else [(lo, lo)])
+
+    def class_member(self):
+        """A code point, or Chars for a class escape such as \\d."""
+        c = self.take()
+        return self.escape(in_class=True) if c == "\\" else ord(c)
+
+    def escape(self, in_class):
+        """What follows a backslash: Chars for \\d \\w \\s and their negations, else one code
+        point."""
+        c = self.take()
+        if c.lower() in ASCII_CLASSES:
+            return char_set(ASCII_CLASSES[c.lower()], negate=c.isupper())
+        if c in CHAR_ESCAPES:
+            return ord(CHAR_ESCAPES[c])
+        if c == "b" and in_class:  # inside a class \b is a backspace, not a word boundary
+            return 0x08
+        if c in HEX_ESCAPES:
+            digits = self.pattern[self.pos:self.pos + HEX_ESCAPES[c]]
+            if len(digits) < HEX_ESCAPES[c] or not all(d in HEX_DIGITS for d in digits) \
+                    or int(digits, 16) > MAX_CODE_POINT:
+                raise self.error(f"bad escape \\{c}{digits}")
+            self.pos += len(digits)
+            return int(digits, 16)
+        if c.isascii() and c.isalnum():
+            what = UNSUPPORTED_ESCAPES.get(c, "backreference or octal escape" if c.isdigit()
+                                           else "unknown escape")
+            raise self.error(f"\\{c} ({what}) is not supported")
+        return ord(c)
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON schema → tree. The subset: "type" object (properties, required), array (items, minItems,
+# maxItems), string (minLength, maxLength), integer, number, boolean, null; "enum" and "const"
+# (alone or with a matching "type"); nested at any depth. Annotations (title, description,
+# default, examples, $schema, $id, $comment) are ignored and additionalProperties is accepted
+# whatever its value, since properties beyond "properties" are never written. Any other keyword
+# is an error naming it.
+#
+# Whitespace policy: compact JSON, no whitespace anywhere, properties in their declared order
+# (optional ones may be left out). Strings hold any character but '"', '\' and controls below
+# U+0020, which must be escaped; a \u escape names no surrogate, so that one string character is
+# one code point and minLength/maxLength count exactly what Python's len() counts. Integers are
+# written without fraction or exponent.
+# ----------------------------------------------------------------------------------------------
+
+JSON_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
+                              "$comment"})
+JSON_TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
+                      "array": {"items", "minItems", "maxItems"},
+                      "string": {"minLength", "maxLength"},
+                      "integer": set(), "number": set(), "boolean": set(), "null": set()}
+JSON_KNOWN_KEYWORDS = set().union(*JSON_TYPE_KEYWORDS.values(), {"type", "enum", "const"})
+
+HEX = chars(HEX_DIGITS)
+DIGITS = Repeat(chars("0123456789"), 1, None)
+JSON_STRING_CHAR = Alt((
+    char_set([(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)], negate=True),  # as is: not " \ controls
+    Concat((literal("\\"), chars('"\\/bfnrt'))),
+    Concat((literal("\\u"), chars("0123456789abcABCefEF"), HEX, HEX, HEX)),  # \u, not D800-DFFF
+    Concat((literal("\\u"), chars("dD"), chars("01234567"), HEX, HEX)),
+))
+JSON_INTEGER = Concat((optional(literal("-")),
+                       Alt((literal("0"), Concat((chars("123456789"), optional(DIGITS)))))))
+JSON_NUMBER = Concat((JSON_INTEGER, optional(Concat((literal("."), DIGITS))),
+                      optional(Concat((chars("eE"), optional(chars("+-")), DIGITS)))))
+
+
+def json_text(value):
+    """`value` as compact JSON, the way the grammar writes it."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_type_matches(value, kind):
+    """Whether a Python value parsed from JSON has JSON schema type `kind` (bool is no integer)."""
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    python_types = {"object": dict, "array": list, "string": str, "integer": int,
+                    "number": (int, float), "boolean": bool, "null": type(None)}
+    return isinstance(value, python_types[kind])
+
+
+def json_schema_to_tree(schema, where="schema"):
+    """The tree of every compact JSON text this schema allows; `where` locates errors."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{where}: a schema must be a JSON object, got {schema!r}")
+    keywords = set(schema) - JSON_ANNOTATIONS
+    unknown = keywords - JSON_KNOWN_KEYWORDS
+    if unknown:
+        raise GrammarError(f"{where}: keyword {', '.join(map(repr, sorted(unknown)))} is not "
+                           f"supported (supported: {', '.join(sorted(JSON_KNOWN_KEYWORDS))})")
+    kind = schema.get("type")
+    if kind is not None and (not isinstance(kind, str) or kind not in JSON_TYPE_KEYWORDS):
+        raise GrammarError(f"{where}: 'type' {kind!r} is not supported (one of "
+                           f"{', '.join(JSON_TYPE_KEYWORDS)}; no lists of types)")
+    if "enum" in keywords or "const" in keywords:
+        return json_values(schema, keywords, where)
+    if kind is None:
+        raise GrammarError(f"{where}: needs 'type', 'enum' or 'const'")
+    foreign = keywords - {"type"} - JSON_TYPE_KEYWORDS[kind]
+    if foreign:
+        raise GrammarError(f"{where}: keyword {', '.join(map(repr, sorted(foreign)))} does not "
+                           f"apply to type {kind!r}")
+    if kind == "object":
+        return json_object(schema, where)
+    if kind == "array":
+        return json_array(schema, where)
+    if kind == "string":
+        lo, hi = json_bounds(schema, "minLength", "maxLength", where)
+        return Concat((literal('"'), Repeat(JSON_STRING_CHAR, lo, hi), literal('"')))
+    return {"integer": JSON_INTEGER, "number": JSON_NUMBER, "boolean": Alt((literal("true"),
+            literal("false"))), "null": literal("null")}[kind]
+
+
+def json_values(schema, keywords, where):
+    """enum / const: exactly the listed values, each written as compact JSON."""
+    extra = keywords - {"type", "enum", "const"}
+    if extra or {"enum", "const"} <= keywords:
+        raise GrammarError(f"{where}: 'enum' / 'const' combine only with 'type', got "
+                           f"{', '.join(sorted(keywords))}")
+    values = [schema["const"]] if "const" in schema else schema["enum"]
+    if not isinstance(values, list) or not values:
+        raise GrammarError(f"{where}: 'enum' must be a non-empty list")
+    for value in values:
+        if "type" in schema and not json_type_matches(value, schema["type"]):
+            raise GrammarError(f"{where}: value {value!r} is not of type {schema['type']!r}")
+    return Alt(tuple(literal(json_text(v)) for v in values))
+
+
+def json_bounds(schema, lo_key, hi_key, where):
+    """(lo, hi) from a schema's minX / maxX keywords: hi None when absent."""
+    lo, hi = schema.get(lo_key, 0), schema.get(hi_key)
+    for key, n in ((lo_key, lo), (hi_key, hi)):
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not
+                              0 <= n <= MAX_REPEAT):
+            raise GrammarError(f"{where}: '{key}' must be an integer in 0..{MAX_REPEAT}, got {n!r}")
+    if hi is not None and hi < lo:
+        raise GrammarError(f"{where}: '{lo_key}' {lo} is greater than '{hi_key}' {hi}")
+    return lo, hi
+
+
+def json_object(schema, where):
+    props, required = schema.get("properties"), schema.get("required", [])
+    if not isinstance(props, dict):
+        raise GrammarError(f"{where}: an object needs 'properties' (free-form objects are not "
+                           "supported)")
+    if not isinstance(required, list) or any(name not in props for name in required):
+        raise GrammarError(f"{where}: 'required' must list names from 'properties', got "
+                           f"{required!r}")
+    members = tuple((Concat((literal(json_text(name) + ":"),
+                             json_schema_to_tree(sub, f"{where}.properties.{name}"))),
+                     name in required) for name, sub in props.items())
+    return Concat((literal("{"), Separated(members, literal(",")), literal("}")))
+
+
+def json_array(schema, where):
+    if "items" not in schema:
+        raise GrammarError(f"{where}: an array needs 'items'")
+    lo, hi = json_bounds(schema, "minItems", "maxItems", where)
+    item = json_schema_to_tree(schema["items"], f"{where}.items")
+    more = Repeat(Concat((literal(","), item)), max(lo - 1, 0), None if hi is None else hi - 1)
+    body = Concat(()) if hi == 0 else Concat((item, more))
+    return Concat((literal("["), optional(body) if lo == 0 else body, literal("]")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree → NFA over bytes (Thompson's construction), then → DFA (subset construction)
+# ----------------------------------------------------------------------------------------------
+
+UTF8_LENGTH_LIMITS = (0x7F, 0x7FF, 0xFFFF, MAX_CODE_POINT)  # the last code point of 1..4 bytes
+
+
+def utf8_sequences(lo, hi):
+    """The UTF-8 encodings of code points lo..hi as byte-range sequences ((b0lo, b0hi), ...):
+    lo..hi is split until, within each piece, every byte position takes every value of its
+    range independently. E.g. U+0080..U+07FF is one piece: [C2-DF][80-BF]."""
+    for limit in UTF8_LENGTH_LIMITS:  # first: pieces of one encoded length each
+        if lo <= limit < hi:
+            return utf8_sequences(lo, limit) + utf8_sequences(limit + 1, hi)
+        if hi <= limit:
+            break
+    for k in range(1, len(chr(hi).encode())):  # then: a piece whose last k bytes do not span
+        low = (1 << (6 * k)) - 1                # their whole range 80..BF must split there
+        if lo & ~low != hi & ~low:
+            if lo & low:
+                return utf8_sequences(lo, lo | low) + utf8_sequences((lo | low) + 1, hi)
+            if hi & low != low:
+                return utf8_sequences(lo, (hi & ~low) - 1) + utf8_sequences(hi & ~low, hi)
+    return [tuple(zip(chr(lo).encode(), chr(hi).encode()))]
+
+
+class ByteNFA:
+    """States are ints; eps[s] lists the states reachable from s without reading a byte, and
+    edges[s] holds (lo, hi, t): a byte in lo..hi moves from s to t."""
+
+    def __init__(self, tree):
+        self.eps, self.edges = [], []
+        self.start = self.new_state()
+        self.accept = self.add(tree, self.start)
+
+    def new_state(self):
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def add(self, node, start):
+        """Add `node`'s states, entered at `start`; returns the state where the node is matched.
+        No construction loops back to its `start`, so alternatives may share it."""
+        if isinstance(node, Chars):
+            return self.add_chars(node, start)
+        if isinstance(node, Concat):
+            for part in node.parts:
+                start = self.add(part, start)
+            return start
+        end = self.new_state()
+        if isinstance(node, Alt):
+            for option in node.options:
+                self.eps[self.add(option, start)].append(end)
+        elif isinstance(node, Repeat):
+            self.eps[self.add_repeat(node, start)].append(end)
+        else:
+            self.eps[self.add_separated(node, start)].append(end)
+        return end
+
+    def add_chars(self, node, start):
+        """One character as UTF-8: a byte-range chain per sequence; chains with the same tail
+        share its states (the continuation bytes), which keeps the DFA small."""
+        end, tails = self.new_state(), {}
+
+        def reading(rest):  # the state from which the byte ranges `rest` lead to `end`
+            if not rest:
+                return end
+            if rest not in tails:
+                tails[rest] = self.new_state()
+                self.edges[tails[rest]].append((*rest[0], reading(rest[1:])))
+            return tails[rest]
+
+        for lo, hi in node.ranges:
+            for seq in utf8_sequences(lo, hi):
+                self.edges[start].append((*seq[0], reading(seq[1:])))
+        return end
+
+    def add_repeat(self, node, start):
+        for _ in range(node.lo):
+            start = self.add(node.node, start)
+        if node.hi is None:  # a fresh loop state, so the loop cannot re-enter what led here
+            loop = self.new_state()
+            self.eps[start].append(loop)
+            self.eps[self.add(node.node, loop)].append(loop)
+            return loop
+        stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to `end`
+        for _ in range(node.hi - node.lo):
+            stops.append(start)
+            start = self.add(node.node, start)
+        end = self.new_state()
+        for s in stops + [start]:
+            self.eps[s].append(end)
+        return end
+
+    def add_separated(self, node, start):
+        """Two states per item boundary: `empty` (nothing written yet: no separator needed) and
+        `some` (an item written: the next needs a separator). Each item is built once."""
+        empty, some = start, None
+        for item, required in node.items:
+            entry = self.new_state()
+            if empty is not None:
+                self.eps[empty].append(entry)
+            if some is not None:
+                self.eps[self.add(node.sep, some)].append(entry)
+            done = self.add(item, entry)
+            if required:
+                empty, some = None, done
+            else:  # skipping the item keeps both states; writing it leads to `some`
+                merged = self.new_state()
+                for s in (done, some):
+                    if s is not None:
+                        self.eps[s].append(merged)
+                some = merged
+        end = self.new_state()
+        for s in (empty, some):
+            if s is not None:
+                self.eps[s].append(end)
+        return end
+
+
+class ByteDFA:
+    """A deterministic automaton over bytes. trans[s, b] is the state after byte b in state s, or
+    DEAD when no match can follow; every state kept can still reach an accepting one, so a
+    walk that never meets DEAD can always be completed. The start state is 0."""
+
+    def __init__(self, trans, accepting):
+        self.trans = trans            # (S, 256) int32
+        self.accepting = accepting    # (S,) bool
+        self.finished = accepting & (trans < 0).all(axis=1)  # accepting, and no byte may follow
+        self.rows = trans.tolist()    # advancing byte by byte through lists beats numpy scalars
+
+    @property
+    def num_states(self):
+        return len(self.trans)
+
+    def walk(self, state, data):
+        """The state after reading the bytes `data` from `state` (DEAD once a byte is refused)."""
+        rows = self.rows
+        for byte in data:
+            state = rows[state][byte]
+            if state < 0:
+                return DEAD
+        return state
+
+    def matches(self, data):
+        state = self.walk(0, data)
+        return state != DEAD and bool(self.accepting[state])
+
+
+MAX_DFA_STATES = 20_000
+
+
+def determinize(nfa):
+    """Subset construction: a DFA state is the set of NFA states the bytes so far can reach.
+    The bytes leaving a set are cut at every edge's ends into intervals that all move alike."""
+    closures = {}
+
+    def closure(states):  # the DFA state of an NFA state set: everything reachable by eps
+        key = frozenset(states)
+        if key not in closures:
+            seen, stack = set(key), list(key)
+            while stack:
+                for t in nfa.eps[stack.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        stack.append(t)
+            closures[key] = frozenset(seen)
+        return closures[key]
+
+    sets = [closure([nfa.start])]
+    index, rows = {sets[0]: 0}, []
+    while len(rows) < len(sets):
+        edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
+        cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        row = [DEAD] * 256
+        for a, b in zip(cuts, cuts[1:]):
+            targets = [t for lo, hi, t in edges if lo <= a <= hi]
+            if targets:
+                target = closure(targets)
+                if target not in index:
+                    if len(sets) == MAX_DFA_STATES:
+                        raise GrammarError(f"the automaton exceeds {MAX_DFA_STATES:,} states; "
+                                           "simplify the constraint")
+                    index[target] = len(sets)
+                    sets.append(target)
+                row[a:b] = [index[target]] * (b - a)
+        rows.append(row)
+    accepting = np.array([nfa.accept in s for s in sets])
+    return trim(np.array(rows, dtype=np.int32), accepting)
+
+
+def trim(trans, accepting):
+    """Remove the states from which no accepting state can be reached (their bytes become
+    DEAD), so that a token is allowed only if its text can still be completed to a match."""
+    preds = [[] for _ in trans]
+    for s, row in enumerate(trans.tolist()):
+        for t in set(row) - {DEAD}:
+            preds[t].append(s)
+    live = accepting.copy()
+    stack = list(np.flatnonzero(live))
+    while stack:
+        for s in preds[stack.pop()]:
+            if not live[s]:
+                live[s] = True
+                stack.append(s)
+    if not live[0]:
+        raise GrammarError("the constraint matches no text at all")
+    new_id = np.cumsum(live) - 1              # old state → new state, for the live ones
+    ok = trans >= 0
+    ok[ok] = live[trans[ok]]
+    trans = np.where(ok, new_id[np.maximum(trans, 0)], DEAD).astype(np.int32)
+    return ByteDFA(trans[live], accepting[live])
+
+
+def constraint_key(regex=None, choice=None, json_schema=None):
+    """(kind, text) naming at most one constraint, checked; None if none is given. The text is
+    the regex, or the choice list or schema as JSON (dict order kept: it is the output's)."""
+    given = [(k, v) for k, v in (("regex", regex), ("choice", choice), ("json_schema", json_schema))
+             if v is not None]
+    if len(given) > 1:
+        raise GrammarError(f"give one of regex, choice, json_schema, not {[k for k, _ in given]}")
+    if not given:
+        return None
+    kind, spec = given[0]
+    if kind == "regex" and not isinstance(spec, str):
+        raise GrammarError(f"regex must be a string, got {type(spec).__name__}")
+    if kind == "choice" and (not isinstance(spec, (list, tuple)) or not spec
+                             or not all(isinstance(c, str) for c in spec)):
+        raise GrammarError(f"choice must be a non-empty list of strings, got {spec!r}")
+    try:
+        if kind == "json_schema" and isinstance(spec, str):
+            spec = json.loads(spec)
+        return kind, spec if kind == "regex" else json.dumps(spec)
+    except (TypeError, ValueError) as e:  # not JSON text, or not JSON-serializable
+        raise GrammarError(f"{kind} is not valid JSON: {e}") from None
+
+
+def compile_grammar(regex=None, choice=None, json_schema=None):
+    """The ByteDFA of exactly one of: a regex (full match), a choice (a list of strings, one of
+    which is the whole output) or a JSON schema (a dict or its JSON text); None if none given.
+    Compiled once per distinct constraint (cached), so validating SamplingParams costs nothing
+    when the engine compiles the same constraint again."""
+    key = constraint_key(regex, choice, json_schema)
+    return None if key is None else _compile(*key)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(kind, text):
+    if kind == "regex":
+        tree = RegexParser(text).parse()
+    elif kind == "choice":
+        tree = Alt(tuple(literal(c) for c in json.loads(text)))
+    else:
+        tree = json_schema_to_tree(json.loads(text))
+    return determinize(ByteNFA(tree))
+
+
+# ----------------------------------------------------------------------------------------------
+# Token masks: which tokens each automaton state allows, by walking a trie of the vocabulary
+# ----------------------------------------------------------------------------------------------
+#
+# Walking the 151,936 tokens one by one through the DFA in Python costs 50-120 ms per state
+# (measured on the bench's vocabulary). A trie shares the work of common prefixes, and walking
+# it level by level with numpy turns a level into a few array operations over its live nodes;
+# a subtree whose prefix dies is never visited: after `{"na` only the tokens that go on with
+# `me"` (and its prefixes) survive. The bench prints what a state costs this way.
+
+class TokenTrie:
+    """The vocabulary's byte strings as a trie, stored level by level. Level d holds the nodes
+    whose prefix has d+1 bytes, in sorted order, so the children of one node are a contiguous
+    run of the next level:
+        byte[d][n]                           the node's last byte
+        first_child[d][n], n_children[d][n]  its children, in level d+1
+        token[d][n]                          the token whose bytes end here, or V if none does
+    Built once per vocabulary (about a second for 151,936 tokens) and shared by every grammar."""
+
+    def __init__(self, vocab):
+        self.vocab, self.V = vocab, len(vocab)
+        levels = []                                # per depth: [bytes, parents, tokens]
+        path, prev, aliases = [], b"", []          # path: node index per depth of `prev`
+        for data, i in sorted((bytes(b), i) for i, b in enumerate(vocab) if b):
+            common, limit = 0, min(len(prev), len(data))
+            while common < limit and prev[common] == data[common]:
+                common += 1
+            if common == len(data) == len(prev):   # the same bytes as the previous token
+                aliases.append((i, levels[common - 1][2][path[-1]]))
+                continue
+            del path[common:]
+            for d in range(common, len(data)):
+                if d == len(levels):
+                    levels.append([[], [], []])
+                levels[d][0].append(data[d])
+                levels[d][1].append(path[d - 1] if d else 0)
+                levels[d][2].append(self.V)
+                path.append(len(levels[d][0]) - 1)
+            levels[len(data) - 1][2][path[-1]] = i
+            prev = data
+        self.byte = [np.array(b, dtype=np.int64) for b, _, _ in levels]
+        self.token = [np.array(t, dtype=np.int64) for _, _, t in levels]
+        self.first_child, self.n_children = [], []
+        for d in range(len(levels)):               # parents are sorted: children are runs
+            parents = np.array(levels[d + 1][1] if d + 1 < len(levels) else [], dtype=np.int64)
+            nodes = np.arange(len(levels[d][0]))
+            self.first_child.append(np.searchsorted(parents, nodes))
+            self.n_children.append(np.searchsorted(parents, nodes, side="right")
+                                   - self.first_child[-1])
+        aliases = np.array(aliases, dtype=np.int64).reshape(-1, 2)  # (duplicate id, first id)
+        self.alias_ids, self.alias_of = aliases[:, 0], aliases[:, 1]
+        self.check_all_bytes()
+
+    def check_all_bytes(self):
+        """Every byte must be a token of its own (true of every byte-level BPE): then every live
+        state allows some token, and a mask is never empty."""
+        singles = set(self.byte[0][self.token[0] < self.V].tolist()) if self.byte else set()
+        missing = sorted(set(range(256)) - singles)
+        if missing:
+            raise GrammarError(f"the vocabulary lacks single-byte tokens for bytes {missing[:8]}"
+                               f"{'...' if len(missing) > 8 else ''}")
+
+    def walk(self, trans, state):
+        """(V + 1,) bool: the tokens whose every byte moves the DFA `trans` from `state` to a
+        live state (the last slot collects the nodes that end no token)."""
+        allowed = np.zeros(self.V + 1, dtype=bool)
+        nodes = np.arange(len(self.byte[0]))
+        states = trans[state, self.byte[0]]                        # (level-0 nodes,)
+        for d in range(len(self.byte)):
+            live = states >= 0
+            nodes, states = nodes[live], states[live]
+            allowed[self.token[d][nodes]] = True
+            if d + 1 == len(self.byte) or not len(nodes):
+                break
+            counts = self.n_children[d][nodes]
+            # the children of every live node, in order: a "ragged arange" of runs
+            ends = np.cumsum(counts)
+            children = np.repeat(self.first_child[d][nodes] - ends + counts, counts) \
+                + np.arange(ends[-1])
+            states = trans[np.repeat(states, counts), self.byte[d + 1][children]]
+            nodes = children
+        allowed[self.alias_ids] = allowed[self.alias_of]
+        return allowed
+
+
+class TokenMasker:
+    """One constraint over one vocabulary. A request's grammar state is one int, starting at
+    `start`; the masker maps states to masks and tokens to next states.
+
+    Masks are computed the first time a state is met and cached as (V,) bool tensors on
+    `device` (151,936 bytes each), so a state seen before costs a dict lookup, and the sampler
+    applies the mask with masked_fill on the device without a host sync. On a GPU the engine
+    can compute a new state's mask on the host while the forward pass runs."""
+
+    start = 0
+
+    def __init__(self, dfa, trie, eos_ids, device="cpu"):
+        self.dfa, self.trie, self.device = dfa, trie, device
+        self.eos_ids = sorted(set(eos_ids))
+        self.masks = {}  # state → (V,) bool tensor on the device
+
+    def mask(self, state):
+        """(V,) bool, True for the tokens allowed in `state`: those whose bytes keep the
+        automaton alive, and end-of-sequence only where the text so far is a full match."""
+        if state not in self.masks:
+            if state == DEAD:
+                raise ValueError("the dead state allows no token")
+            allowed = self.trie.walk(self.dfa.trans, state)[:-1]
+            allowed[self.eos_ids] = self.dfa.accepting[state]
+            mask, on_gpu = torch.from_numpy(allowed), torch.device(self.device).type == "cuda"
+            # pinned and non_blocking: the copy queues behind the forward pass running on the
+            # GPU instead of making the host wait for it
+            self.masks[state] = (mask.pin_memory() if on_gpu else mask).to(self.device,
+                                                                            non_blocking=on_gpu)
+        return self.masks[state]
+
+    def advance(self, state, token_id):
+        """The state after `token_id`: DEAD if the mask did not allow it. End-of-sequence leaves
+        an accepting state as it is (the request is over)."""
+        if state == DEAD:
+            return DEAD
+        if token_id in self.eos_ids:
+            return state if self.dfa.accepting[state] else DEAD
+        data = self.trie.vocab[token_id]
+        return self.dfa.walk(state, data) if data else DEAD
+
+    def is_accepting(self, state):
+        return state != DEAD and bool(self.dfa.accepting[state])
+
+    def is_finished(self, state):
+        """Accepting with no byte that may follow: generation stops here, without sampling."""
+        return state != DEAD and bool(self.dfa.finished[state])
+
+
+def apply_token_masks(logits, masks):
+    """Forbid, in place, what each row's grammar forbids. logits (B, V); masks: B entries, each
+    a TokenMasker mask on logits' device or None for an unconstrained row. One stack and one
+    masked_fill: nothing is read back, so a GPU step stays asynchronous."""
+    if all(m is None for m in masks):
+        return logits
+    everything = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    allowed = torch.stack([everything if m is None else m for m in masks])     # (B, V)
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+class GrammarCache:
+    """What the engine holds: the vocabulary's trie, built once, and the TokenMaskers of the
+    most recent `capacity` constraints, so that requests with the same schema share the masks
+    already computed. A request keeps its TokenMasker, so an eviction never disturbs one."""
+
+    def __init__(self, vocab, eos_ids, device="cpu", capacity=32):
+        self.trie, self.eos_ids, self.device = TokenTrie(vocab), eos_ids, device
+        self.capacity, self.maskers = capacity, OrderedDict()
+
+    def get(self, regex=None, choice=None, json_schema=None):
+        """The TokenMasker of this constraint, or None when there is none."""
+        key = constraint_key(regex, choice, json_schema)
+        if key is None:
+            return None
+        if key not in self.maskers:
+            self.maskers[key] = TokenMasker(_compile(*key), self.trie, self.eos_ids, self.device)
+            if len(self.maskers) > self.capacity:
+                self.maskers.popitem(last=False)  # the least recently used
+        self.maskers.move_to_end(key)
+        return self.maskers[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 16. The engine
+# ----------------------------------------------------------------------------------------------
+# Requests flow one way through small parts (see ENGINE.md): a prompt becomes a Sequence, the
+# Scheduler picks the sequences of the next step, the ModelRunner turns them into tensors, runs
+# the model and samples, the Sequence takes its new token, and finished sequences come back as
+# RequestOutputs. The model never sees a Sequence and the scheduler never sees a tensor.
+#
+# This first engine batches statically: a batch starts with one prefill of all its prompts and
+# then decodes one token a row per step until its last sequence has finished; a finished row
+# idles in its place, so the batch keeps its shape. It is the simple path every faster engine of
+# the book is checked against.
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: its prompt and output ids, its sampling rules and where it stands. Its status
+    goes WAITING -> RUNNING -> FINISHED, changed by the scheduler only."""
+
+    def __init__(self, seq_id, prompt_token_ids, params, max_tokens, grammar=None):
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids = []
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
+        self.grammar = grammar  # structured output's TokenMasker, or None
+        self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = None
+        self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
+        self.logprobs = [] if params.logprobs is not None else None  # one {id: logprob} a token
+
+    def __len__(self):
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self):
+        return (self.output_token_ids or self.prompt_token_ids)[-1]
+
+    @property
+    def is_finished(self):
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, token, logprobs=None):
+        self.output_token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.grammar is not None:
+            self.grammar_state = self.grammar.advance(self.grammar_state, token)
+            assert self.grammar_state != DEAD, f"token {token} was sampled against its mask"
+
+
+@dataclass
+class RequestOutput:
+    """What generate returns for one prompt."""
+    prompt_token_ids: list
+    token_ids: list  # the generated ids, the eos or stop id that ended the request included
+    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
+    #                   (skip_special_tokens), without special tokens; None without a tokenizer
+    finish_reason: str  # "stop": an eos or stop id, or structured output complete; "length":
+    #                     max_tokens or the context limit
+    logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
+    #                               id and the top ones
+
+
+class Scheduler:
+    """Which sequences run in the next step: the running batch, or, when there is none, up to
+    max_batch_size waiting sequences that start together with a prefill (static batching)."""
+
+    def __init__(self, max_batch_size, eos_token_ids):
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting = deque()
+        self.batch = []  # the running batch, finished rows included, in the cache's row order
+
+    def add(self, seq):
+        self.waiting.append(seq)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.batch)
+
+    def schedule(self):
+        """(sequences, is_prefill) of the next step."""
+        if not self.batch:
+            count = min(self.max_batch_size, len(self.waiting))
+            self.batch = [self.waiting.popleft() for _ in range(count)]
+            for seq in self.batch:
+                seq.status = SequenceStatus.RUNNING
+            return self.batch, True
+        return self.batch, False
+
+    def postprocess(self, seqs, tokens, logprobs):
+        """Give each running row its new token, finish the rows it ends, and end the batch once
+        every row has finished. Returns the sequences that finished in this step."""
+        finished = []
+        for seq, token, token_logprobs in zip(seqs, tokens, logprobs):
+            if seq.is_finished:  # an idle row: its token is not used
+                continue
+            seq.append(token, token_logprobs)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason == "stop" and not self._grammar_finished(seq):
+                seq.stop_token_id = token
+            if seq.finish_reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                finished.append(seq)
+        if all(seq.is_finished for seq in self.batch):
+            self.batch = []
+        return finished
+
+    def _finish_reason(self, seq, token):
+        # Under a grammar the mask allows eos only where the text is complete, and there eos ends
+        # the request even with ignore_eos: the text can only be finished, not continued.
+        eos_ends = not seq.params.ignore_eos or seq.grammar is not None
+        if token in seq.params.stop_token_ids or (eos_ends and token in self.eos_token_ids):
+            return "stop"
+        if self._grammar_finished(seq):  # the automaton accepts, and nothing may follow
+            return "stop"
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _grammar_finished(seq):
+        return seq.grammar is not None and seq.grammar.is_finished(seq.grammar_state)
+
+
+class ModelRunner:
+    """Turns a step's sequences into tensors, runs the model and samples. It owns the KV cache,
+    allocated at a batch's prefill for the batch's longest possible sequence and reused by later
+    batches that fit in it, and the batch's sampling state."""
+
+    def __init__(self, model):
+        self.model = model
+        self.device = model.inv_freq.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.vocab_size = model.cfg.vocab_size
+        self.sampler = Sampler()
+        self.cache = None
+        self.sampling = None
+
+    @torch.inference_mode()
+    def run(self, seqs, is_prefill):
+        """One step: the prefill of a new batch, or one decode step. Returns each row's next token
+        and, where the row asked, its logprobs."""
+        logits = self._prefill(seqs) if is_prefill else self._decode(seqs)  # (B, V)
+        # A state's first mask is computed here, on the host, while a GPU still runs the forward
+        # pass queued above; a state met before costs a dict lookup.
+        masks = [None if seq.grammar is None or seq.is_finished
+                 else seq.grammar.mask(seq.grammar_state) for seq in seqs]
+        tokens, logprobs = self.sampler(logits, self.sampling, masks)
+        tokens = tokens.tolist()  # the step's one host sync: the scheduler needs the tokens
+        return tokens, self._logprobs_lists(seqs, tokens, logprobs)
+
+    def _prefill(self, seqs):
+        """Every prompt at once, right-padded to the longest. Causal attention never lets a real
+        token see the padding after it, and the padding's keys land in cache positions that
+        decoding overwrites before it reads them."""
+        lengths = [len(seq.prompt_token_ids) for seq in seqs]
+        T = max(lengths)
+        self._reserve(len(seqs), max(n + seq.max_tokens for n, seq in zip(lengths, seqs)))
+        ids = torch.tensor([seq.prompt_token_ids + [0] * (T - n) for seq, n in zip(seqs, lengths)],
+                           device=self.device)  # (B, T)
+        h = self.model.hidden_states(ids, cache=self.cache)  # (B, T, C)
+        last = torch.tensor(lengths, device=self.device) - 1  # each row's last prompt token
+        self.sampling = SamplingBatch([seq.params for seq in seqs],
+                                      [seq.prompt_token_ids for seq in seqs], self.vocab_size,
+                                      self.device)
+        return self.model.logits(h[torch.arange(len(seqs), device=self.device), last])  # (B, V)
+
+    def _decode(self, seqs):
+        """One token a row: each row's last token, at its position. A finished row repeats its
+        last step (rewriting the same key and value), and its result is not used."""
+        positions = [len(seq) - 1 for seq in seqs]
+        ids = torch.tensor([[seq.last_token] for seq in seqs], device=self.device)  # (B, 1)
+        pos = torch.tensor(positions, device=self.device)[:, None]  # (B, 1)
+        h = self.model.hidden_states(ids, pos, self.cache, kv_len=max(positions) + 1)  # (B, 1, C)
+        return self.model.logits(h[:, -1])  # (B, V)
+
+    def _reserve(self, rows, length):
+        """A cache of at least rows x length positions: the current one when it is big enough."""
+        cache = self.cache
+        if cache is None or cache.rows < rows or cache.length < length:
+            if cache is not None:
+                rows, length = max(rows, cache.rows), max(length, cache.length)
+            self.cache = None  # free the old cache before allocating the new one
+            self.cache = KVCache(self.model.cfg, rows, length, self.device, self.dtype)
+
+    @staticmethod
+    def _logprobs_lists(seqs, tokens, logprobs):
+        """Per row, {id: logprob} of the sampled id and the row's top ones, or None."""
+        if logprobs is None:
+            return [None] * len(seqs)
+        sampled, top_values, top_ids = (x.tolist() for x in logprobs)
+        out = []
+        for row, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            out.append({tokens[row]: sampled[row], **dict(zip(top_ids[row][:k], top_values[row][:k]))})
+        return out
+
+
+class LLMEngine:
+    """Requests in, one step at a time, finished sequences out."""
+
+    def __init__(self, model, eos_token_ids, max_batch_size):
+        self.runner = ModelRunner(model)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.reset()
+
+    def reset(self):
+        """Drop every request (the cache stays allocated)."""
+        self.scheduler = Scheduler(self.max_batch_size, self.eos_token_ids)
+        self._next_id = 0
+
+    def add_request(self, prompt_token_ids, params, max_tokens, grammar=None):
+        seq = Sequence(self._next_id, prompt_token_ids, params, max_tokens, grammar)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self):
+        return self.scheduler.has_unfinished()
+
+    def step(self):
+        """One turn of the loop: schedule, run and sample, append. Returns the sequences it
+        finished."""
+        seqs, is_prefill = self.scheduler.schedule()
+        tokens, logprobs = self.runner.run(seqs, is_prefill)
+        return self.scheduler.postprocess(seqs, tokens, logprobs)
+
+
+class LLM:
+    """The entry point: LLM(model).generate(prompts, sampling_params), one RequestOutput per
+    prompt, in the prompts' order.
+
+    model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
+    built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
+    (load_tokenizer); by default a directory's own, read from its tokenizer.json with the
+    weights. Without one (a built Qwen3, or a directory with no tokenizer.json) prompts are token
+    ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
+    the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
+    device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
+    limit: the model's max_position_embeddings). max_batch_size: sequences per batch.
+    """
+
+    def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
+                 max_batch_size=16, data_dir=None):
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
+                            f"{type(tokenizer).__name__}")
+        if isinstance(model, Qwen3):
+            if device is not None or dtype is not None:
+                raise ValueError("a built Qwen3 is used as it is: move it with .to() instead of "
+                                 "passing device or dtype")
+            self.model, eos_token_ids = model.eval(), set()
+        elif isinstance(model, (str, os.PathLike)):
+            folder = model_folder(model, data_dir)
+            self.model = load_qwen3(folder, device, dtype)
+            eos_token_ids = config_eos_token_ids(folder)
+            if tokenizer is None and (folder / "tokenizer.json").is_file():
+                tokenizer = load_tokenizer(folder)
+        else:
+            raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not {type(model).__name__}")
+        if tokenizer is not None:
+            eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
+        self.tokenizer = tokenizer
+        self.grammars = None  # the GrammarCache, built at the first structured request
+        limit = self.model.cfg.max_position_embeddings
+        self.max_model_len = limit if max_model_len is None else max_model_len
+        if not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len = {max_model_len!r} must be an int from 2 to the "
+                             f"model's max_position_embeddings, {limit}")
+        if not _is_int(max_batch_size) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size = {max_batch_size!r} must be a positive int")
+        self.engine = LLMEngine(self.model, eos_token_ids, max_batch_size)
+
+    def generate(self, prompts, sampling_params=None):
+        """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
+        of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
+        defaults. Every prompt and its limits are checked before any work starts."""
+        prompts = self._prompt_ids(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        max_tokens = [self._check_request(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        grammars = [self._grammar(i, p) for i, p in enumerate(params)]
+        self.engine.reset()  # a fresh start, even after an interrupted call
+        seqs = [self.engine.add_request(*request)
+                for request in zip(prompts, params, max_tokens, grammars)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(seq) for seq in seqs]
+
+    def _prompt_ids(self, prompts):
+        """The prompts as lists of token ids; one prompt (a string or a list of ids) is a batch of
+        one."""
+        if isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(
+                _is_int(t) for t in prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string or a list of token ids, or a non-empty "
+                             "list of them")
+        vocab, batch = self.model.cfg.vocab_size, []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompt {i} is text, but this LLM has no tokenizer: pass "
+                                     f"token ids, or LLM(..., tokenizer=...)")
+                prompt = self.tokenizer.encode(prompt)
+            elif not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+                raise ValueError(f"prompt {i} must be a string or a list of token ids")
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty: generation needs a token to continue")
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise ValueError(f"prompt {i} holds token id {outside[0]}, outside the model's "
+                                 f"vocabulary [0, {vocab})")
+            batch.append(ids)
+        return batch
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n):
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * n
+        if isinstance(sampling_params, (list, tuple)) and all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            if len(sampling_params) != n:
+                raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts: give "
+                                 f"one for all, or one per prompt")
+            return list(sampling_params)
+        raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
+
+    def _check_request(self, i, ids, params):
+        """How many tokens prompt i may generate, checked against max_model_len; its params checked
+        against the vocabulary."""
+        n, limit = len(ids), self.max_model_len
+        if n > limit:
+            raise ValueError(f"prompt {i} is {n} tokens, longer than max_model_len {limit}")
+        if n == limit:
+            raise ValueError(f"prompt {i} is {n} tokens, all of max_model_len {limit}: no room "
+                             f"to generate")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"prompt {i}: {n} prompt tokens + max_tokens {params.max_tokens} = "
+                             f"{n + params.max_tokens}, beyond max_model_len {limit}")
+        vocab = self.model.cfg.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"SamplingParams.stop_token_ids of prompt {i} holds {outside[0]}, "
+                             f"outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs of prompt {i} asks for {params.logprobs} "
+                             f"top logprobs, more than the vocabulary's {vocab} tokens")
+        return limit - n if params.max_tokens is None else params.max_tokens
+
+    def _grammar(self, i, params):
+        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
+        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
+        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {i} asks for structured output, which needs a tokenizer "
+                             f"(each token's bytes): LLM(..., tokenizer=...)")
+        if self.grammars is None:
+            vocab = grammar_vocab(self.tokenizer, self.model.cfg.vocab_size)
+            self.grammars = GrammarCache(vocab, self.engine.eos_token_ids, _device_of(self.model))
+        masker = self.grammars.get(regex=params.regex, choice=params.choice,
+                                   json_schema=params.json_schema)
+        if masker.is_finished(masker.start):
+            raise ValueError(f"the structured output of prompt {i} allows only the empty text: "
+                             f"there is nothing to generate")
+        return masker
+
+    def _output(self, seq):
+        ids = seq.output_token_ids
+        text = None
+        if self.tokenizer is not None:  # the ending eos or stop id is no part of the text
+            text_ids = ids if seq.stop_token_id is None else ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        return RequestOutput(list(seq.prompt_token_ids), list(ids), text, seq.finish_reason,
+                             seq.logprobs)
+
+
+def grammar_vocab(tokenizer, vocab_size):
+    """Each of the model's vocab_size ids as the bytes it writes, for structured output's masks,
+    or None where it writes none: special tokens (decode skips them, so their bytes would never
+    reach the text) and the ids past the tokenizer's (Qwen3's 151,936 rows hold 151,669 tokens).
+    Whatever an eos id's bytes, the masks allow it exactly where the text is complete."""
+    table = tokenizer.token_bytes[:vocab_size]
+    vocab = [None if i in tokenizer.special_ids or not data else data
+             for i, data in enumerate(table)]
+    return vocab + [None] * (vocab_size - len(vocab))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 34. Structured output: the bench (compiling, a mask's first computation, a cached mask)
+# ----------------------------------------------------------------------------------------------
+
+QWEN3_VOCAB_SIZE = 151_936      # the model's vocabulary (rows of its embedding)
+QWEN3_REGULAR_TOKENS = 151_643  # its tokenizer's BPE tokens; then <|endoftext|>, <|im_start|>, ...
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
+        "score": {"type": "number"}, "active": {"type": "boolean"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "address": {"type": "object", "properties": {
+            "street": {"type": "string"}, "city": {"type": "string"},
+            "zip": {"type": "string", "minLength": 5, "maxLength": 5}},
+            "required": ["city"]},
+        "nickname": {"type": "string", "maxLength": 20}, "manager": {"type": "null"},
+    },
+    "required": ["name", "age", "role"],
+}
+
+
+def synthetic_vocab(base_tokens, size=QWEN3_VOCAB_SIZE, n_regular=QWEN3_REGULAR_TOKENS, seed=0):
+    """A stand-in for Qwen3's vocabulary with no download: the 256 single bytes, `base_tokens`
+    (e.g. GPT-2's 50,256, read with read_ranks), then concatenations of two tokens drawn with
+    Zipf weights (how BPE merges grow a vocabulary), up to `n_regular` distinct tokens; the ids
+    above have no bytes (the special tokens and the unused rows of the embedding). The tokens
+    split UTF-8 characters wherever the base vocabulary does."""
+    rng = random.Random(seed)
+    vocab = list(dict.fromkeys([bytes([b]) for b in range(256)] + list(base_tokens)))
+    seen = set(vocab)
+    parts, weights = list(vocab), list(np.cumsum(1.0 / np.arange(1, len(vocab) + 1)))
+    while len(vocab) < n_regular:
+        pair = b"".join(rng.choices(parts, cum_weights=weights, k=2))
+        if pair not in seen:
+            seen.add(pair)
+            vocab.append(pair)
+    return vocab[:n_regular] + [None] * (size - n_regular)
+
+
+def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
+                     n_regular=QWEN3_REGULAR_TOKENS, n_lookups=20_000, seed=0):
+    """Print what structured output costs on a Qwen3-sized vocabulary: compiling `schema`, a
+    state's mask the first time (median and max over every state of its automaton), and a
+    state's mask once seen (median and p99 over random lookups). Returns the three medians, in
+    seconds."""
+    t0 = time.perf_counter()
+    vocab = synthetic_vocab(base_tokens, size, n_regular, seed)
+    t1 = time.perf_counter()
+    trie = TokenTrie(vocab)
+    t2 = time.perf_counter()
+    compile_times = []
+    for _ in range(5):  # _compile's cache is bypassed: this is the cost of a new schema
+        start = time.perf_counter()
+        dfa = determinize(ByteNFA(json_schema_to_tree(schema)))
+        compile_times.append(time.perf_counter() - start)
+    masker = TokenMasker(dfa, trie, eos_ids=[n_regular, n_regular + 2])  # as Qwen3's eos ids
+    first = []
+    for state in range(dfa.num_states):
+        start = time.perf_counter()
+        masker.mask(state)
+        first.append(time.perf_counter() - start)
+    rng, hits = random.Random(seed), []
+    for state in (rng.randrange(dfa.num_states) for _ in range(n_lookups)):
+        start = time.perf_counter_ns()
+        masker.mask(state)
+        hits.append((time.perf_counter_ns() - start) / 1e9)
+    hits.sort()
+    print(f"structured output, {len(vocab):,}-token vocabulary (built in {t1 - t0:.2f} s, its "
+          f"trie in {t2 - t1:.2f} s); the schema's DFA has {dfa.num_states} states")
+    print(f"  compile schema:          {statistics.median(compile_times) * 1e3:8.1f} ms "
+          f"(target 200 ms)")
+    print(f"  mask, first computation: {statistics.median(first) * 1e6:8.1f} µs median, "
+          f"{max(first) * 1e6:.0f} µs max over {len(first)} states")
+    print(f"  mask, state seen before: {statistics.median(hits) * 1e6:8.2f} µs median, "
+          f"{hits[int(0.99 * len(hits))] * 1e6:.2f} µs p99 (targets 100 µs, 1 ms)")
+    return statistics.median(compile_times), statistics.median(first), statistics.median(hits)
+
+
+# ----------------------------------------------------------------------------------------------
+# Putting it together
+# ----------------------------------------------------------------------------------------------
+
+def random_checkpoint(folder, seed):
+    """Qwen3Config.tiny() with random weights, written in the Hugging Face layout: main's model
+    when no --model is given. Embeddings of std 0.25 give logits of a few units, so that sampling
+    has choices to make; the norms' weights are not all 1, so that skipping one would show."""
+    torch.manual_seed(seed)
+    model = Qwen3(Qwen3Config.tiny())
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.25)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.8, 1.2)
+    return save_qwen3(model, folder)
+
+
+# main's tokenizer: GPT-2's first 8,192 tokens (the 256 bytes and the first 7,936 merges: what
+# GPT-2's BPE training had learnt by then, a byte-level BPE in its own right, whose output layer
+# costs a sixth of the full 50,257's), then GPT-2's <|endoftext|> and Qwen3's chat tokens, special
+# or not as Qwen3 declares them. The chat template is a short form of Qwen3's: the turns and the
+# thinking switch (the stage writes the chat format by hand and reads a template only to know
+# that it is Qwen3's, load_tokenizer).
+DEMO_RANKS = 8192
+DEMO_ADDED_TOKENS = [(DEMO_RANKS + i, content, special) for i, (content, special) in enumerate(
+    [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<think>", False),
+     ("</think>", False)])]
+DEMO_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def demo_tokenizer(folder, data_dir=None):
+    """Write a Hugging Face tokenizer into `folder` for main's random model: GPT-2's byte-level
+    BPE from data/gpt2.tiktoken (downloaded on first use, 0.8 MB; see DEMO_RANKS) with Qwen3's
+    chat tokens, a chat template, and <|im_end|> and <|endoftext|> as the eos ids. Qwen3's own
+    tokenizer would be an 11 MB download, and the stage imports no `tokenizers` to train one,
+    so the files are written from GPT-2's ranks (byte_level_bpe_json). Returns the folder."""
+    folder = Path(folder)
+    ranks = read_ranks(data_file("gpt2.tiktoken", data_dir))
+    spec = byte_level_bpe_json({token: rank for token, rank in ranks.items() if rank < DEMO_RANKS},
+                               DEMO_ADDED_TOKENS)
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    config = {"eos_token": "<|im_end|>", "chat_template": DEMO_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    eos_ids = [DEMO_RANKS + 2, DEMO_RANKS]  # <|im_end|>, <|endoftext|>, as Qwen3's files name them
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+    return folder
+
+
+DEMO_PROMPTS = ("In 1908, Edith Wharton wrote", "def add(a, b):\n    return")
+
+
+def demo_prompts(llm, args):
+    """--prompt and two more, as token ids; with --chat each is a user turn in the chat format."""
+    if llm.tokenizer is None:
+        raise DataError(f"{args.model} has no tokenizer.json: this demo writes text prompts")
+    texts = [args.prompt, *DEMO_PROMPTS]
+    if args.chat:
+        try:
+            texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                     for text in texts]
+        except ValueError as e:  # a base model, or another chat format than Qwen3's
+            raise DataError(f"--chat: {e}") from None
+    return [llm.tokenizer.encode(text) for text in texts]
+
+
+def describe(llm, model):
+    """Print what was loaded: the model's shape and the tokenizer's size."""
+    cfg, tok = llm.model.cfg, llm.tokenizer
+    print(f"Qwen3 from {model or 'a tiny random checkpoint'}: {cfg.num_hidden_layers} layers, "
+          f"C={cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of "
+          f"{cfg.head_dim}, V={cfg.vocab_size:,}; {llm.model.num_params() / 1e6:.1f}M parameters, "
+          f"{next(llm.model.parameters()).dtype} on {_device_of(llm.model)}")
+    if tok is not None:
+        origin = "" if model else "GPT-2's first tokens and Qwen3's chat tokens, "
+        print(f"tokenizer: {origin}{len(tok.token_bytes):,} ids, eos ids {sorted(tok.eos_token_ids)}, "
+              f"chat template: {'yes' if tok.chat_template else 'no (a base model)'}")
+
+
+def random_prompts(vocab_size, lengths, seed):
+    """Prompts of random token ids, one of each length."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _device_of(model):
+    return model.inv_freq.device
+
+
+def check_against_recompute(llm, prompts, max_tokens):
+    """The engine's greedy tokens and their logprobs (one prefill of the right-padded batch, then
+    decode steps over the KV cache) against one forward pass over each finished sequence, which
+    recomputes everything without a cache. Prints and returns the largest logprob difference."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params)
+    worst, same = 0.0, True
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outputs):
+            ids = torch.tensor([prompt + out.token_ids], device=_device_of(llm.model))
+            logp = llm.model(ids)[0, len(prompt) - 1:-1].float().log_softmax(-1)  # (n, V)
+            expected = logp[torch.arange(len(out.token_ids)), out.token_ids].cpu()
+            ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+            worst = max(worst, (ours - expected).abs().max().item())
+            same &= logp.argmax(-1).tolist() == out.token_ids
+    print(f"engine (prefill, then decode over the KV cache) vs full recomputation: greedy tokens "
+          f"{'identical' if same else 'DIFFERENT'}, logprobs max abs diff {worst:.1e}")
+    return worst
+
+
+def check_kernels(model, prompts):
+    """The model's logits on the Triton kernels (RMSNorm, SwiGLU, the flash prefill) against its
+    torch twins, for the prompts as one right-padded batch. Prints and returns the relative
+    error."""
+    T = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=_device_of(model))
+    was_on = model.model.norm.kernels
+    with torch.inference_mode():
+        reference = model.use_kernels(False)(ids).float()
+        ours = model.use_kernels(True)(ids).float()
+    model.use_kernels(was_on)
+    err = ((ours - reference).norm() / reference.norm()).item()
+    where = "Triton's interpreter" if INTERPRET else torch.cuda.get_device_name(ids.device)
+    print(f"logits on the Triton kernels ({where}) vs the torch path: rel err {err:.1e}")
+    return err
+
+
+def show_generations(llm, prompts, args):
+    """Greedy generations of the prompts as one batch and one by one, then sampled ones, with the
+    first prompt's seeded sample also drawn alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    batched = llm.generate(prompts, greedy)
+    same = all(llm.generate([p], greedy)[0].token_ids == out.token_ids
+               for p, out in zip(prompts, batched))
+    print(f"\ngreedy, {len(prompts)} prompts in one batch ({'identical to' if same else 'DIFFERENT from'} "
+          f"one by one):")
+    _print_outputs(llm, prompts, batched)
+    sampled = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, seed=args.seed + i, max_tokens=args.max_tokens)
+               for i in range(len(prompts))]
+    outputs = llm.generate(prompts, sampled)
+    alone = llm.generate(prompts[:1], sampled[0])[0]
+    print(f"\nsampled (temperature {args.temperature}, top-k {args.top_k or 'off'}, top-p "
+          f"{args.top_p}, min-p {args.min_p}, seeds {args.seed}..{args.seed + len(prompts) - 1}; "
+          f"the first drawn alone: {'identical' if alone.token_ids == outputs[0].token_ids else 'DIFFERENT'}):")
+    _print_outputs(llm, prompts, outputs)
+    return same
+
+
+def _print_outputs(llm, prompts, outputs):
+    """Each prompt with its special tokens (a chat prompt shows its turns), and the text after."""
+    for prompt, out in zip(prompts, outputs):
+        print(f"  {llm.tokenizer.decode(prompt)!r} -> {out.text!r} ({out.finish_reason}, "
+              f"{len(out.token_ids)} tokens)")
+
+
+# Structured output for the demo: each kind once, every one of them bounded, so that even random
+# weights end it well within STRUCTURED_MAX_TOKENS.
+DEMO_SCHEMA = {"type": "object", "required": ["name", "admin"], "properties": {
+    "name": {"type": "string", "maxLength": 10}, "admin": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 2}}}
+DEMO_CONSTRAINTS = (("choice", ("yes", "no", "maybe")), ("regex", r"\d{4}-\d{2}-\d{2}"),
+                    ("json_schema", DEMO_SCHEMA))
+STRUCTURED_MAX_TOKENS = 128
+
+
+def show_structured(llm, prompt, args):
+    """The first prompt under each constraint of DEMO_CONSTRAINTS, sampled; each text checked
+    with Python's re and json, which know nothing of the automaton that constrained it. Returns
+    whether every text is valid."""
+    params = [SamplingParams(temperature=args.temperature, seed=args.seed + i,
+                             max_tokens=STRUCTURED_MAX_TOKENS, **{kind: spec})
+              for i, (kind, spec) in enumerate(DEMO_CONSTRAINTS)]
+    outputs = llm.generate([prompt] * len(params), params)
+    print(f"\nstructured output (temperature {args.temperature}, seeds {args.seed}.."
+          f"{args.seed + len(params) - 1}):")
+    all_valid = True
+    for (kind, spec), out in zip(DEMO_CONSTRAINTS, outputs):
+        valid = out.finish_reason == "stop" and _valid(kind, spec, out.text)
+        all_valid &= valid
+        shown = spec if kind == "regex" else json.dumps(spec)
+        print(f"  {kind} {shown}\n    -> {out.text!r} ({out.finish_reason}, "
+              f"{len(out.token_ids)} tokens; {'valid' if valid else 'INVALID'})")
+    return all_valid
+
+
+def _valid(kind, spec, text):
+    """Whether `text` is what the constraint asks for, by Python's own re and json."""
+    if kind == "choice":
+        return text in spec
+    if kind == "regex":
+        return re.fullmatch(spec, text, re.ASCII) is not None  # \d is [0-9] here, as re.ASCII
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(spec["required"]) <= set(value) <= set(spec["properties"])
+
+
+def measure_throughput(llm, batch_size, max_tokens, seed):
+    """Tokens a second of the v1 engine: batch_size prompts of 16 tokens, max_tokens each."""
+    device = _device_of(llm.model)
+    prompts = random_prompts(llm.model.cfg.vocab_size, [16] * batch_size, seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2))  # warm-up: kernels, cache
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    sync()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(out.token_ids) for out in outputs)
+    print(f"\nengine v1 on {device}: {tokens / elapsed:,.0f} tokens/s ({batch_size} sequences x "
+          f"{max_tokens} tokens in {elapsed:.2f} s, prefill included)")
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1 (0 is not a way to ask for the default)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+
+def non_negative_float(text):
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def probability(text):
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def fraction(text):
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="a Hugging Face Qwen3 directory, or a Hub id such as "
+                        "Qwen/Qwen3-0.6B (default: a tiny random Qwen3 in a temporary directory)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda when there is one)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="default: the checkpoint's on a GPU, float32 on a CPU")
+    parser.add_argument("--max-tokens", type=positive_int, default=16,
+                        help="tokens to generate per prompt (default: 16)")
+    parser.add_argument("--batch-size", type=positive_int, default=8,
+                        help="sequences in the throughput run, and the engine's max batch size")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.8,
+                        help="of the sampled generations (default: 0.8)")
+    parser.add_argument("--top-k", type=non_negative_int, default=0,
+                        help="sample from the k likeliest tokens (default: 0, all)")
+    parser.add_argument("--top-p", type=probability, default=0.95,
+                        help="sample from the likeliest tokens up to this mass (default: 0.95)")
+    parser.add_argument("--min-p", type=fraction, default=0.0,
+                        help="drop tokens less likely than this times the likeliest (default: 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=123,
+                        help="seed of the random model, the prompts and the sampling")
+    parser.add_argument("--prompt", default="Every effort moves you",
+                        help="the first prompt of the generations (default: %(default)r)")
+    parser.add_argument("--chat", action="store_true",
+                        help="give each prompt as a user turn in Qwen3's chat format")
+    parser.add_argument("--bench", action="store_true",
+                        help="instead: what structured output costs on a Qwen3-sized vocabulary "
+                        "(compiling a schema, a state's first mask, a cached mask)")
+    parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
+                        "the random model's (default: data/)")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser, args):
+    """Every flag checked before any work (a download, a load) starts."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device}: {e}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: this stage runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA GPU")
+    if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        parser.error(f"--data-dir {args.data_dir} is a file, not a directory")
+    if not args.prompt.strip():
+        parser.error("--prompt is empty")
+    if args.bench and args.model is not None:
+        parser.error("--model does not apply to --bench, which needs no model")
+    if args.model is not None:
+        path = Path(args.model)
+        if path.exists() and not path.is_dir():
+            parser.error(f"--model {args.model} is a file; give the directory that holds it")
+        if not path.exists() and not HUB_ID.fullmatch(args.model):
+            parser.error(f"--model {args.model}: no such directory, and not a Hub id such as "
+                         f"Qwen/Qwen3-0.6B")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.bench:
+        bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
+        return
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
+        source = args.model or random_checkpoint(demo_tokenizer(tmp, args.data_dir), args.seed)
+        llm = LLM(source, device=device, dtype=MODEL_DTYPES.get(args.dtype),
+                  max_batch_size=args.batch_size, data_dir=args.data_dir)
+    describe(llm, args.model)
+    torch.manual_seed(args.seed)
+    prompts = demo_prompts(llm, args)
+    check_against_recompute(llm, prompts, args.max_tokens)
+    if device.type == "cuda" or (INTERPRET and args.model is None):
+        check_kernels(llm.model, prompts)
+    else:  # the interpreter would take minutes on a real model
+        print("(Triton kernels not checked: that needs a GPU, or on a CPU Triton's interpreter and "
+              "the built-in tiny model)")
+    show_generations(llm, prompts, args)
+    show_structured(llm, prompts[0], args)
+    measure_throughput(llm, args.batch_size, args.max_tokens, args.seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plumbing for the Triton kernels: input checks, the interpreter patch
+# ----------------------------------------------------------------------------------------------
+
+def _check_tensor(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
+    """Raise a clear error unless `t` is a tensor these kernels can take. rows: the kernel reads `t`
+    as rows along its last dimension, so `t` needs one."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, dtypes))}")
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and INTERPRET):
+        raise ValueError(f"{name} is on {t.device}: the Triton kernels take CUDA tensors (CPU tensors "
+                         "only under the interpreter, TRITON_INTERPRET=1 set before triton is imported)")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if rows and t.dim() == 0:
+        raise ValueError(f"{name} is 0-dim; expected at least 1 dimension (the kernel works along the last)")
+
+
+if INTERPRET:
+    # Triton 3.6's interpreter hands scalar arguments to a kernel as 1-element arrays and turns loop
+    # bounds into ints with int(array), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed
+    # after 3.6). Convert through .item() instead; every other piece of the interpreter is untouched.
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_item(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor_item
+
+
+# ----------------------------------------------------------------------------------------------
+# Plumbing: downloads into data/, checked by sha256
+# ----------------------------------------------------------------------------------------------
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
+DATA_FILES = {  # changed in 07: GPT-2's ranks only, the tokenizer of main's random model
+    "gpt2.tiktoken": (
+        "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
+        "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+    ),
+}
+
+
+class DataError(RuntimeError):
+    """A file the run needs is missing, cannot be downloaded, or is not what it should be. The
+    message names the file and what to do; `main` prints it without a traceback."""
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _server_sha256(response):
+    """The Hugging Face Hub names a large file's sha256 in the X-Linked-Etag header of the
+    redirect it answers with; use it when no checksum is pinned."""
+    for r in [*response.history, response]:
+        etag = r.headers.get("X-Linked-Etag", "").strip('"').removeprefix("W/").strip('"')
+        if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
+            return etag
+    return None
+
+
+def _check_placed(dest, url, sha256):
+    """A file already in the cache may have been put there by hand: check it like a download."""
+    if not dest.is_file():
+        raise DataError(f"{dest} is not a file; remove it so that {url} can be downloaded there")
+    if sha256 is not None and _sha256(dest) != sha256:
+        raise DataError(f"{dest} ({dest.stat().st_size:,} bytes) is not the expected file: its "
+                        f"sha256 should be {sha256}. Delete it to download it again, or replace "
+                        f"it with the file from {url}")
+
+
+@contextlib.contextmanager
+def _download_lock(dest):
+    """Hold an exclusive lock next to `dest`: a second process fetching the same file waits here
+    instead of appending to the first one's `.part`. (No lock on Windows, which lacks fcntl.)"""
+    if fcntl is None:
+        yield
+        return
+    with open(dest.with_name(dest.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"  waiting for another process downloading {dest.name}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def download(url, dest, sha256=None, timeout=30.0):
+    """Download `url` to `dest` unless it is already there; return the path.
+
+    The bytes go to `dest.part` first and are renamed into place only once complete and
+    checked, so the cache never holds a partial or corrupt file. An interrupted download keeps
+    its `.part` and the next call resumes it with an HTTP Range request. The check is `sha256`
+    when given, else the checksum the server names, else the announced size. A file already at
+    `dest` is checked against `sha256` too. Failures raise DataError naming the file and URL.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        _check_placed(dest, url, sha256)
+        return dest
+    created = [p for p in reversed(dest.parents) if not p.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _download_lock(dest):
+            if dest.exists():  # another process finished it while we waited
+                _check_placed(dest, url, sha256)
+            else:
+                _fetch(url, dest, sha256, timeout)
+    finally:
+        dest.with_name(dest.name + ".lock").unlink(missing_ok=True)
+        for folder in reversed(created):  # leave no empty folder behind a failed download
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return dest
+
+
+def _fetch(url, dest, sha256, timeout):
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    # identity: a compressed body would not match Content-Length or resume at a byte offset
+    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    try:
+        response = requests.get(url, stream=True, timeout=timeout, headers=headers)
+        if have and response.status_code == 416:  # the .part is stale: start over
+            part.unlink()
+            return _fetch(url, dest, sha256, timeout)
+        response.raise_for_status()
+    except requests.HTTPError as e:
+        raise DataError(f"{dest}: missing, and {url} answered {e.response.status_code} "
+                        f"{e.response.reason}") from None
+    except requests.RequestException as e:
+        raise DataError(f"{dest}: missing, and {url} cannot be reached "
+                        f"({type(e).__name__}: no network?)") from None
+    if response.status_code != 206:  # the server ignored the Range header: start over
+        have = 0
+    sha256 = sha256 or _server_sha256(response)
+    remaining = int(response.headers.get("Content-Length", 0))
+    total = have + remaining if remaining else None
+    done, last_print, start = have, 0.0, time.time()
+    try:
+        with open(part, "ab" if have else "wb") as f:
+            for block in response.iter_content(chunk_size=1 << 20):
+                f.write(block)
+                done += len(block)
+                if time.time() - last_print > 0.5 or (total and done == total):
+                    last_print = time.time()
+                    rate = (done - have) / max(last_print - start, 1e-9) / 1e6
+                    of = f"/{total / 1e6:.1f}" if total else ""
+                    print(f"\r  {dest.name}: {done / 1e6:.1f}{of} MB, {rate:.1f} MB/s",
+                          end="", file=sys.stderr, flush=True)
+    except requests.RequestException as e:
+        raise DataError(f"download of {url} was interrupted after {done} bytes ({e}); "
+                        f"run again to resume from {part}") from None
+    finally:
+        if done > have:
+            print(file=sys.stderr)  # end the progress line
+    if total is not None and done != total:
+        raise DataError(f"download of {url} stopped at {done} of {total} bytes; "
+                        f"run again to resume from {part}")
+    if sha256 is not None and _sha256(part) != sha256:
+        part.unlink()
+        raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}; "
+                        f"the download was deleted")
+    os.replace(part, dest)  # atomic: the file appears complete or not at all
+
+
+def fetch(files):
+    """Download every (url, dest, sha256) in `files` that is not cached yet; return the paths.
+    Every file that cannot be had is named in one DataError, so an offline user learns the
+    whole list at once rather than one file per run."""
+    paths, problems = [], []
+    for url, dest, sha256 in files:
+        try:
+            paths.append(download(url, dest, sha256))
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError("\n  ".join([
+            f"{len(problems)} file(s) this run needs cannot be had:", *problems,
+            "Place each at the path shown (fetched from its URL where there is a network), or "
+            "point --data-dir at a folder that holds them."]))
+    return paths
+
+
+def _data_dir(data_dir):
+    folder = Path(data_dir or DATA_DIR)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"the data directory {folder} is a file, not a directory")
+    return folder
+
+
+def data_entry(name, data_dir=None):
+    """(url, cache path, sha256) of a known data file (see DATA_FILES), for `fetch`."""
+    if name not in DATA_FILES:
+        raise KeyError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
+    url, sha256 = DATA_FILES[name]
+    return url, _data_dir(data_dir) / name, sha256
+
+
+def data_file(name, data_dir=None):
+    """Path of a known data file, downloaded into the cache on first use."""
+    return fetch([data_entry(name, data_dir)])[0]
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as e:  # a missing or broken file: the message says which and what to do
+        sys.exit(f"error: {e}")

@@ -1,0 +1,2172 @@
+"""Stage 07, part 1: Qwen3, its tokenizer, the KV cache, the sampler, structured output and the v1
+engine, on the CPU.
+
+The references: transformers' Qwen3ForCausalLM (logits, greedy generate), built from tiny random
+configs and saved in the Hugging Face layout to temporary directories; a full forward pass
+without a cache (for the cached paths); float64 formulas written out here (kernels, sampling
+filters, penalties); counts of many draws against exact probabilities (the sampler's draw).
+Triton kernels run through the interpreter.
+
+The tokenizer: byte-level BPEs trained here with the `tokenizers` library on a small generated
+corpus (one with Qwen2/Qwen3's normalizer, pre-tokenizer regex and added tokens, one with GPT-2's
+byte-level regex and a special token trained into its vocabulary, one whose regex leaves text
+between its matches): ids and decoded text must equal tokenizers' exactly (one difference by
+design: NFC follows Python's Unicode tables, newer than tokenizers'; see
+test_nfc_uses_pythons_unicode_tables); the chat format must equal transformers' rendering of
+Qwen3's own chat template, text and ids.
+
+Structured output: the regex subset against Python's re, every JSON schema keyword against a
+validator written here, the token masks against a per-token walk, generation with random logits
+and then through the engine with a random model, which must always give valid output.
+"""
+import argparse
+import copy
+import functools
+import hashlib
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+import unicodedata
+
+import numpy as np
+import pytest
+import requests
+import torch
+import torch.nn.functional as F
+from conftest import HAS_CUDA, ROOT, load_stage
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                        pre_tokenizers, processors, trainers)
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"  # where the Triton kernels run (the interpreter on a CPU)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def q7():
+    return load_stage("07_engine")
+
+
+def tiny_hf_qwen3(seed=0, vocab_size=131, hidden_size=48, intermediate_size=80, layers=2,
+                  heads=4, kv_heads=2, head_dim=32, theta=500.0, tied=False, eps=0.05,
+                  max_positions=64):
+    """transformers' Qwen3ForCausalLM on a tiny config of odd sizes, every weight random (norm
+    gains around 1, so that a skipped or swapped one shows), eager attention, fp32, eval mode.
+    A large eps and a small RoPE theta make a misplaced eps or a wrong theta visible. Hq * D =
+    128 differs from the hidden size 48, as in Qwen3."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size,
+                      intermediate_size=intermediate_size, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=max_positions, rms_norm_eps=eps,
+                      rope_parameters={"rope_type": "default", "rope_theta": theta},
+                      tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None, attn_implementation="eager")
+    model = Qwen3ForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.5 * noise if "embed" in name
+                    else 0.3 * noise)
+    return model
+
+
+def save_hf(model, folder, **kwargs):
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """One tiny untied GQA model (4 query heads, 2 kv heads) and its directory."""
+    hf = tiny_hf_qwen3()
+    return hf, save_hf(hf, tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def llm(q7, hf_dir):
+    return q7.LLM(hf_dir[1], device="cpu", max_model_len=40, max_batch_size=4)
+
+
+def random_ids(n, vocab=131, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [random_ids(7, seed=1), random_ids(3, seed=2), random_ids(11, seed=3)]
+
+
+# ---------------------------------------------------------------------------------- the config
+
+def write_config(folder, **changes):
+    """Change config.json of a saved model (a value of None deletes the key)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_config_from_json_reads_both_rope_spellings(q7, tmp_path):
+    # transformers v5's rope_parameters; v4's top-level rope_theta with rope_scaling null; no
+    # theta at all: transformers' default, 10,000; absent optional keys: their defaults
+    path = write_config(save_hf(tiny_hf_qwen3(), tmp_path))
+    cfg = q7.Qwen3Config.from_json(path)
+    assert (cfg.rope_theta, cfg.head_dim, cfg.num_key_value_heads, cfg.rms_norm_eps) == (500.0, 32, 2, 0.05)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+            cfg.num_attention_heads, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+        131, 48, 80, 2, 4, 64, False)
+    write_config(tmp_path, rope_parameters=None, rope_theta=12345.0)
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "rope_scaling": None}))
+    assert q7.Qwen3Config.from_json(path).rope_theta == 12345.0
+    write_config(tmp_path, rope_theta=None, rms_norm_eps=None, max_position_embeddings=None,
+                 tie_word_embeddings=None)
+    cfg = q7.Qwen3Config.from_json(path)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+        10000.0, 1e-6, 32768, False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+     "rope_parameters asks for RoPE type 'yarn'"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling asks for RoPE type 'linear'"),
+    (dict(model_type="qwen3_moe"), "model_type = 'qwen3_moe' is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act = 'gelu' is not supported"),
+    (dict(attention_bias=True), "attention_bias = True is not supported"),
+    (dict(use_sliding_window=True), "use_sliding_window = True is not supported"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (dict(num_key_value_heads=3), r"bad Qwen3Config .*multiple of num_key_value_heads \(3\)"),
+    (dict(head_dim=0), r"bad Qwen3Config .*head_dim = 0"),
+    (dict(hidden_size=None, head_dim=None), r"lacks \['hidden_size', 'head_dim'\]"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor = 0.5 is not supported"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+     "rotates part of each head only"),
+])
+def test_config_refuses_what_it_cannot_compute(q7, hf_dir, tmp_path, change, message):
+    (tmp_path / "config.json").write_text((hf_dir[1] / "config.json").read_text())
+    path = write_config(tmp_path, **change)
+    with pytest.raises(q7.DataError, match=message) as err:
+        q7.Qwen3Config.from_json(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 0), ("head_dim", 7), ("rms_norm_eps", 0.0),
+                                          ("rope_theta", float("nan")), ("num_hidden_layers", True),
+                                          ("tie_word_embeddings", 1)])
+def test_config_names_a_bad_field(q7, field, value):
+    with pytest.raises(ValueError, match=rf"Qwen3Config\.{field} = "):
+        q7.Qwen3Config(**{field: value})
+
+
+# -------------------------------------------------------------------- logits against transformers
+
+LOGIT_CASES = {  # name -> (tiny_hf_qwen3 arguments, how to save, config.json changes)
+    "tied, Hkv=1": (dict(tied=True, kv_heads=1, theta=10000.0), {}, {}),
+    "untied, Hkv=Hq, theta 77": (dict(kv_heads=4, theta=77.0, head_dim=64), {}, {}),
+    "sharded, GQA 4/2": (dict(seed=5), dict(max_shard_size="40KB"), {}),
+    "v4 config.json": (dict(seed=6, theta=3000.0), {}, dict(
+        rope_parameters=None, rope_theta=3000.0, rope_scaling="NULL", dtype=None, torch_dtype="float32")),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", LOGIT_CASES)
+def test_logits_match_transformers(q7, tmp_path, case):
+    model_args, save_args, changes = LOGIT_CASES[case]
+    hf = tiny_hf_qwen3(**model_args)
+    folder = save_hf(hf, tmp_path, **save_args)
+    if changes:
+        text = json.dumps({**{k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+                              if changes.get(k, 0) is not None}, **{k: v for k, v in changes.items() if v}})
+        (folder / "config.json").write_text(text.replace('"NULL"', "null"))
+    if "sharded" in case:
+        assert len(list(folder.glob("model-*.safetensors"))) > 2
+        assert not (folder / "model.safetensors").exists()
+    ours = q7.load_qwen3(folder, device="cpu")
+    ids = torch.randint(0, 131, (2, 19), generator=torch.Generator().manual_seed(1))
+    expected = hf(ids).logits
+    logits = ours(ids)
+    assert logits.shape == (2, 19, 131) and logits.dtype == torch.float32
+    assert (logits - expected).abs().max().item() <= 1e-4
+    assert expected.std() > 1  # logits of some size: a test on near-zero logits proves little
+
+
+def test_load_reads_each_tensor_once_straight_to_its_dtype(q7, hf_dir, monkeypatch):
+    reads = []
+    real_open = q7.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.file.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(q7, "safe_open", Spy)
+    model = q7.load_qwen3(hf_dir[1], device="cpu", dtype=torch.bfloat16)
+    names = set(model.state_dict())
+    assert sorted(reads) == sorted(names)  # each tensor once, no other
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in model.state_dict().values())
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert model.inv_freq.dtype == torch.float32  # RoPE's frequencies stay fp32
+    assert not model.model.norm.kernels  # on the CPU: the torch path
+
+
+def test_a_bad_checkpoint_names_the_tensor(q7, hf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    good = load_file(hf_dir[1] / "model.safetensors")
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != "model.layers.1.mlp.up_proj.weight"},
+                    r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]"),
+        "unexpected": ({**good, "model.layers.1.mlp.bias": torch.zeros(3)},
+                       r"unexpected tensors \['model.layers.1.mlp.bias'\]"),
+        "misshapen": ({**good, "model.norm.weight": torch.ones(47)},
+                      r"tensor 'model.norm.weight' has shape \(47,\); config.json implies \(48,\)"),
+        "not safetensors": (None, "not a readable safetensors file"),
+    }
+    for name, (state, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        (folder / "config.json").write_text((hf_dir[1] / "config.json").read_text())
+        if state is None:
+            (folder / "model.safetensors").write_bytes(b"not weights" * 10)
+        else:
+            save_file(state, str(folder / "model.safetensors"))
+        with pytest.raises(q7.DataError, match=message):
+            q7.load_qwen3(folder, device="cpu")
+    (tmp_path / "weightless").mkdir()
+    (tmp_path / "weightless" / "config.json").write_text((hf_dir[1] / "config.json").read_text())
+    with pytest.raises(q7.DataError, match="has neither model.safetensors nor"):
+        q7.load_qwen3(tmp_path / "weightless", device="cpu")
+    with pytest.raises(q7.DataError, match="neither a model directory"):
+        q7.load_qwen3(tmp_path / "no" / "such" / "dir")
+
+
+def test_a_tied_checkpoint_may_store_the_head_if_it_is_the_embedding(q7, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny_hf_qwen3(tied=True, seed=3)
+    folder = save_hf(hf, tmp_path)
+    state = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in state
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()},
+              str(folder / "model.safetensors"))
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert (q7.load_qwen3(folder, device="cpu")(ids) - hf(ids).logits).abs().max() <= 1e-4
+    # another head: transformers would quietly untie them; here it is an error
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"] + 1},
+              str(folder / "model.safetensors"))
+    with pytest.raises(q7.DataError, match="ties the output layer to the embedding, but the stored "
+                                           "lm_head.weight differs"):
+        q7.load_qwen3(folder, device="cpu")
+
+
+def test_saved_checkpoint_loads_in_transformers(q7, tmp_path):
+    """main's random model is written by save_qwen3: transformers reads it to the same logits."""
+    from transformers import Qwen3ForCausalLM
+
+    folder = q7.random_checkpoint(tmp_path, seed=4)
+    hf = Qwen3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    ours = q7.load_qwen3(folder, device="cpu")
+    ids = torch.tensor([random_ids(9, vocab=512)])
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() <= 1e-4
+
+
+# ------------------------------------------------------------------------- Hub ids, downloads
+
+class FakeResponse:
+    """Enough of requests.Response for the download helper."""
+
+    def __init__(self, status, body=b"", headers=None, history=()):
+        self.status_code, self.body, self.headers, self.history = status, body, headers or {}, list(history)
+        self.reason = {200: "OK", 302: "Found", 404: "Not Found"}[status]
+
+    def raise_for_status(self):
+        if self.status_code >= 400:
+            raise requests.HTTPError(f"{self.status_code}", response=self)
+
+    def iter_content(self, chunk_size):
+        return (self.body[i:i + chunk_size] for i in range(0, len(self.body), chunk_size))
+
+    def close(self):
+        pass
+
+
+def fake_hub(served, requested):
+    """requests.get serving the files of `served` at their Hub URLs; the weights with the sha256
+    in the X-Linked-Etag header of a redirect, as the Hub does for large files."""
+    def get(url, **kwargs):
+        requested.append(url)
+        repo, name = url.removeprefix("https://huggingface.co/").split("/resolve/main/")
+        if repo != "Org/tiny-qwen3" or not (served / name).is_file():
+            return FakeResponse(404)
+        body = (served / name).read_bytes()
+        history = []
+        if name.endswith(".safetensors"):
+            history = [FakeResponse(302, headers={"X-Linked-Etag": f'"{hashlib.sha256(body).hexdigest()}"'})]
+        return FakeResponse(200, body, {"Content-Length": str(len(body))}, history)
+    return get
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_hub_id_downloads_into_the_cache(q7, tmp_path, monkeypatch, sharded):
+    hf = tiny_hf_qwen3(seed=7)
+    served = save_hf(hf, tmp_path / "served", **({"max_shard_size": "40KB"} if sharded else {}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (served / name).write_text("{}")
+    requested = []
+    monkeypatch.setattr(q7.requests, "get", fake_hub(served, requested))
+    model = q7.load_qwen3("Org/tiny-qwen3", device="cpu", data_dir=tmp_path / "cache")
+    folder = tmp_path / "cache" / "hub" / "Org" / "tiny-qwen3"
+    expected = {path.name for path in served.iterdir()}
+    assert {path.name for path in folder.iterdir()} == expected
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() <= 1e-4
+    requested.clear()
+    q7.load_qwen3("Org/tiny-qwen3", device="cpu", data_dir=tmp_path / "cache")
+    assert requested == []  # a complete folder needs no network
+
+
+def test_a_hub_id_offline_names_the_files_to_place(q7, tmp_path, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise requests.ConnectionError("no route to host")
+
+    monkeypatch.setattr(q7.requests, "get", no_network)
+    with pytest.raises(q7.DataError) as err:
+        q7.LLM("Qwen/Qwen3-0.6B", device="cpu", data_dir=tmp_path)
+    message = str(err.value)
+    assert message.startswith("Qwen/Qwen3-0.6B cannot be downloaded (ConnectionError: no network?)")
+    assert str(tmp_path / "hub" / "Qwen" / "Qwen3-0.6B") in message
+    assert "https://huggingface.co/Qwen/Qwen3-0.6B/tree/main" in message
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "model.safetensors", "model.safetensors.index.json"):
+        assert name in message
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+# ------------------------------------------------------------------------------ the tokenizer
+
+# Qwen2 and Qwen3's pre-tokenizer regex, as their tokenizer.json declares it: GPT-4's, but digits
+# one by one.
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3's added tokens (a subset), special or not as Qwen3 declares them.
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_TEXT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                    "<think>", "</think>"]
+
+# Qwen3's chat template, as Qwen/Qwen3-0.6B's tokenizer_config.json holds it (Apache-2.0), taken
+# from llama.cpp's copy of it, models/templates/Qwen-Qwen3-0.6B.jinja. The reference, not our code.
+QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in message.content %}
+                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
+                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def corpus(n_lines=3000):
+    """Lines mixing what a tokenizer must handle: English with contractions and capitals, made-up
+    words (so that many merges compete), numbers, code, whitespace runs, CJK, Korean, Arabic,
+    emoji (with modifiers and joiners), accents written both composed and decomposed."""
+    rng = random.Random(0)
+    syllables = "ka to re sh ing tion ed er th qu an on es ly pr st ou al ch ix zo".split()
+    pieces = ["The quick brown fox", "jumps over the lazy dog.", "I'm sure you'll see; they've",
+              "IT'S DONE", "don't", "3.14159", "2024-01-01", "x = f(y) ** 2  # note", "\n\n",
+              "    return None\n", "\t", "中文分词测试", "日本語のテキスト。", "한국어 텍스트",
+              "مرحبا بالعالم", "👍🏽", "👨\u200d👩\u200d👧", "café", "cafe\u0301", "naïve résumé",
+              "ﬁnal", "Ⅻ ²½"]
+
+    def word():
+        text = "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+        return text.capitalize() if rng.random() < 0.2 else text
+
+    return [" ".join(rng.choice(pieces) if rng.random() < 0.3 else word()
+                     for _ in range(rng.randint(1, 12))) + rng.choice(["", "  ", "\n", "!"])
+            + str(rng.randrange(10**6)) for _ in range(n_lines)]
+
+
+def train(pre_tokenizer, normalizer=None, special_in_vocab=()):
+    """A byte-level BPE of 1,200 ids trained on `corpus()`, the way Hugging Face builds them."""
+    tok = Tokenizer(models.BPE())
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=1200, show_progress=False,
+                                  special_tokens=list(special_in_vocab),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    return tok
+
+
+def qwen_like():
+    """Qwen3's tokenizer in miniature: its normalizer, pre-tokenizer and added tokens (ids after
+    the vocabulary's), and added tokens for the rules Qwen3's own do not reach: "<|im", a prefix
+    of two others, which loses to them (the longest match wins); "Ångström", normalized, so
+    matched after NFC; "<|mask é|>", not normalized, with a character outside the byte map, so
+    decoded as its UTF-8; "<|Ġsep|>", decoded through the byte map (to "<| sep|>")."""
+    tok = train(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), normalizers.NFC())
+    tok.add_tokens([AddedToken("<|im", special=False, normalized=False)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TEXT_TOKENS])
+    tok.add_tokens([AddedToken("Ångström", special=False, normalized=True)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|mask é|>", "<|Ġsep|>")])
+    return tok
+
+
+TOKENIZERS = {
+    "qwen": qwen_like,
+    # GPT-2's layout; its <|endoftext|> is trained into the vocabulary (id 0), as BpeTrainer does.
+    "gpt2": lambda: train(pre_tokenizers.ByteLevel(add_prefix_space=False),
+                          special_in_vocab=["<|endoftext|>"]),
+    # A regex that matches only words and digits: tokenizers keeps the text between as chunks.
+    "gaps": lambda: train(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{L}+|\p{N}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+}
+
+
+def save_tokenizer(hf, directory, tokenizer_config=None, config=None, generation_config=None):
+    """Write a Hugging Face model directory: tokenizer.json and the optional JSON files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save(str(directory / "tokenizer.json"))
+    for name, content in (("tokenizer_config.json", tokenizer_config), ("config.json", config),
+                          ("generation_config.json", generation_config)):
+        if content is not None:
+            (directory / name).write_text(json.dumps(content))
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
+def pair(request, q7, tmp_path_factory):
+    """(tokenizers' Tokenizer, ours loaded from its saved directory), for each kind above."""
+    hf = TOKENIZERS[request.param]()
+    directory = save_tokenizer(hf, tmp_path_factory.mktemp(request.param))
+    if request.param == "qwen":  # Qwen's files write merges the older way, as "a b" strings
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
+        (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return hf, q7.load_tokenizer(directory)
+
+
+@pytest.fixture(scope="module")
+def qwen_hf():
+    return qwen_like()
+
+
+def assert_same_as_tokenizers(hf, tok, text):
+    """Same ids, same decoded text (special tokens kept and skipped)."""
+    ids = tok.encode(text)
+    assert ids == hf.encode(text).ids, text
+    for skip in (False, True):
+        assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+HARD_STRINGS = [
+    "", " ", "  ", "a   b", "   leading", "trailing   ", "\t\t", "\t x", "\n\n\n", "\n\n  x",
+    "x \n y", " \n", "a\u00a0b", "\u3000x\u3000\u3000y", "a\u2028b\u2029c", "\r\n", "x\r\n\r\n  y",
+    "\x1c\x1d\x1e\x1f a\x1fb", "\x85x \x85 x", "\u200b zero width", "\x0b\x0c form feed",
+    "I'm you'll they've she'd we're it's don't", "'S uppercase 'LL 'Re", "''s '' 's's", " 's",
+    "it'\u017f", "12345 3.14159 1,000,000", "x1 1x 2024-01-01 0.5e-3", "\uff13\uff14\uff15",
+    "\u0663\u0664 \u00b2\u00bd \u216b \u4e00", "👍🏽 family 👨\u200d👩\u200d👧", "flags 🇺🇸🇫🇷",
+    "中文分词测试", "مرحبا بالعالم", "नमस्ते", "e\u0301 café cafe\u0301", "\u212a Kelvin \u2126",
+    "\u1100\u1161\u11a8 jamo", "ß ẞ ﬁ", "日本語のテキスト、句読点。", "한국어 텍스트",
+    "def f(x):\n    return x**2  # square\n", "<html>&amp;\"quoted\"</html>", "a--b...c!!!?",
+    "new in Unicode 15-16: \u1c89\u1c8a x\U00031350y \U00010d40\U00010d41 a\U00010d4ab",
+    "<|im_start|>user\nhi<|im_end|>\n", "<|im_start|><|im_start|>", "<|im_end", "<|im_end|>|>",
+    "x<think>y</think>z", "<thinker> </think >", "<|endoftext|>after", " <|endoftext|> ",
+    "<tool_call>\n{\"a\": 1}\n</tool_call>", "<|im<|im_end|><|im_", "<|Ġsep|> <|mask é|>x",
+    "A\u030angstro\u0308m Ångström", "<|mask e\u0301|>",
+]
+
+
+@pytest.mark.parametrize("text", HARD_STRINGS)
+def test_hard_strings_match_tokenizers(pair, text):
+    assert_same_as_tokenizers(*pair, text)
+
+
+def test_random_strings_match_tokenizers(pair):
+    """Random mixes of the pieces that interact: whitespace, contractions, digits, scripts,
+    combining marks, and added tokens next to all of them."""
+    pieces = (list("abcXYZ019 '.,!?-_\n\t\r") + ["   ", "\n\n", " \n ", "'s", "'LL", "'ve"]
+              + list("\u00e9\u00df\u4e2d\u0639\u0301\u00a0\u3000\u2028\x85\u00b2\u216b\u0663")
+              + ["\U0001f44d", "\U0001f3fd", "\u200d", "\u1100", "\u1161", "e\u0301"]
+              + QWEN_SPECIAL + QWEN_TEXT_TOKENS + ["<|im", "Ångström", "<|mask é|>", "<|Ġsep|>"])
+    rng = random.Random(0)
+    for _ in range(300):
+        assert_same_as_tokenizers(*pair, "".join(rng.choice(pieces)
+                                                 for _ in range(rng.randint(0, 40))))
+
+
+def test_random_code_points_match_tokenizers(pair):
+    """A broad sample of the whole code space (assigned or not), between ASCII words and spaces.
+    Texts whose NFC differs between Python's and tokenizers' Unicode tables are left out (a few
+    percent here; see test_nfc_uses_pythons_unicode_tables)."""
+    rng, nfc, left_out = random.Random(1), normalizers.NFC(), 0
+    for _ in range(300):
+        limits = [rng.choice((0x3400, 0x30000, 0x110000)) for _ in range(rng.randint(1, 12))]
+        chars = [chr(rng.randrange(limit)) for limit in limits]
+        text = "".join(c + rng.choice(("", "a", " ", "1", "!", " b", "\n")) for c in chars
+                       if not 0xD800 <= ord(c) < 0xE000)
+        if nfc.normalize_str(text) != unicodedata.normalize("NFC", text):
+            left_out += 1
+            continue
+        assert_same_as_tokenizers(*pair, text)
+    assert left_out < 15
+
+
+def test_nfc_uses_pythons_unicode_tables(pair):
+    """tokenizers' NFC tables predate Unicode 10, so it leaves combining marks assigned since then
+    (here U+1DFA, Unicode 14) unordered, where Python's unicodedata orders them by combining
+    class. Ours normalizes with Python's: its ids are tokenizers' ids of the Python-normalized
+    text (and equal to tokenizers' own for tokenizers without a normalizer)."""
+    hf, tok = pair
+    text = "a\u0611\u1dfa b"
+    assert normalizers.NFC().normalize_str(text) == text != unicodedata.normalize("NFC", text)
+    assert tok.encode(text) == hf.encode(tok.normalize(text)).ids
+
+
+def test_lone_surrogates_are_repaired_as_tiktoken_does(pair):
+    """tokenizers refuses a str without UTF-8; ours encodes it as tiktoken does, with split
+    surrogate pairs rejoined and lone halves as U+FFFD."""
+    hf, tok = pair
+    assert tok.encode("pair \ud83d\ude00, lone \ud800!") == hf.encode("pair 😀, lone \ufffd!").ids
+
+
+def test_decode_across_utf8_boundaries(pair):
+    """Random id sequences, many of them single bytes of multi-byte characters, so that token
+    boundaries split characters and leave bytes that are not UTF-8: the same text as tokenizers
+    (which decodes the whole sequence's bytes at once, invalid ones as U+FFFD)."""
+    hf, tok = pair
+    n = hf.get_vocab_size()
+    high_bytes = [i for i, b in enumerate(tok.token_bytes[:n]) if len(b) == 1 and b[0] >= 0x80]
+    rng = random.Random(2)
+    for _ in range(500):
+        ids = [rng.choice(high_bytes) if rng.random() < 0.6 else rng.randrange(n)
+               for _ in range(rng.randint(1, 12))]
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False), ids
+    ids = tok.encode("中文👍🏽é")
+    assert [tok.decode([i]) for i in ids] == [hf.decode([i], False) for i in ids]
+    assert "\ufffd" in "".join(tok.decode([i]) for i in ids)  # the test does split characters
+
+
+def test_ids_beyond_the_tokenizer_decode_to_nothing(pair):
+    """Qwen3's model scores 151,936 ids, more than its tokenizer defines: sampling one of the others
+    must not crash decoding; it decodes to nothing, as in tokenizers."""
+    hf, tok = pair
+    ids = tok.encode("hello world") + [len(tok.token_bytes), 151935, 10**9]
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False) == "hello world"
+    assert tok.decode([-1, 151935]) == ""
+
+
+# -- eos ids -----------------------------------------------------------------------------------
+
+def test_eos_token_ids_are_the_union_of_all_three_files(q7, qwen_hf, tmp_path):
+    eot, im_end = qwen_hf.token_to_id("<|endoftext|>"), qwen_hf.token_to_id("<|im_end|>")
+    tool_call = qwen_hf.token_to_id("<tool_call>")
+    cases = [  # (tokenizer_config, config, generation_config, expected)
+        ({"eos_token": "<|im_end|>"}, {"eos_token_id": im_end},
+         {"eos_token_id": [im_end, eot]}, {im_end, eot}),  # Qwen3-0.6B's files
+        ({"eos_token": {"content": "<tool_call>"}}, {"eos_token_id": eot},
+         {"eos_token_id": 7}, {tool_call, eot, 7}),
+        ({"eos_token": None}, {"eos_token_id": None}, None, set()),
+        (None, None, None, set()),
+    ]
+    for k, (tokenizer_config, config, generation_config, expected) in enumerate(cases):
+        directory = save_tokenizer(qwen_hf, tmp_path / str(k), tokenizer_config, config, generation_config)
+        assert q7.load_tokenizer(directory).eos_token_ids == expected
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"tokenizer_config": {"eos_token": "<|nope|>"}}, "eos_token '<|nope|>' is not a token"),
+    ({"config": {"eos_token_id": "2"}}, "config.json: eos_token_id must be an id or a list of "
+                                        "ids, got '2'"),
+    ({"generation_config": {"eos_token_id": [1, None]}}, r"generation_config.json: .* got \[1, None\]"),
+])
+def test_bad_eos_is_an_error(q7, qwen_hf, tmp_path, files, message):
+    with pytest.raises(q7.DataError, match=message):
+        q7.load_tokenizer(save_tokenizer(qwen_hf, tmp_path, **files))
+
+
+# -- the chat format ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_pair(q7, qwen_hf, tmp_path_factory):
+    """(transformers' tokenizer with Qwen3's chat template, ours), ours loaded from the directory
+    transformers v5 saves (the template in chat_template.jinja)."""
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(tokenizer_object=qwen_hf, eos_token="<|im_end|>",
+                                        chat_template=QWEN3_CHAT_TEMPLATE)
+    directory = tmp_path_factory.mktemp("chat")
+    reference.save_pretrained(directory)
+    assert (directory / "chat_template.jinja").is_file()
+    return reference, q7.load_tokenizer(directory)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text, **extra):
+    return {"role": "assistant", "content": text, **extra}
+
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+CONVERSATIONS = {
+    "one user turn": [user("Hi")],
+    "system and user": [SYSTEM, user("2+2?")],
+    "multi-turn, old reasoning dropped": [
+        SYSTEM, user("First?"), assistant("<think>\nweighing it\n</think>\n\nOne."),
+        user("Second?"), assistant("Two."), user("Third? 中文 👍🏽")],
+    "ends with the answer being written": [user("Why?"), assistant("<think>because</think>So.")],
+    "ends with a plain answer": [user("Why?"), assistant("So.")],
+    "reasoning_content field": [
+        user("a"), assistant("A", reasoning_content="hidden"), user("b"),
+        assistant("B", reasoning_content="\nshown\n")],
+    "reasoning_content wins over the content's think block": [
+        user("a"), assistant("<think>x</think>A", reasoning_content="")],
+    "tool results do not count as queries": [
+        user("Add."), assistant("<think>call it</think>Calling."),
+        user("<tool_response>\n42\n</tool_response>"), assistant("Plain, no reasoning."),
+        user("<tool_response>43</tool_response>")],
+    "system turn later on": [user("a"), SYSTEM, user("b")],
+    "whitespace around the think block": [
+        user(" x "), assistant("\n<think>\n\n  deep \n\n</think>\n\n\nanswer\n")],
+    "unclosed think and text before it": [
+        user("q"), assistant("pre<think>r</think>post"), assistant("only <think> opened")],
+    "special tokens in content": [user("say <|im_end|> and </think>")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("enable_thinking", [True, False])
+def test_chat_template_matches_transformers(chat_pair, name, add_generation_prompt,
+                                           enable_thinking):
+    reference, tok = chat_pair
+    messages = CONVERSATIONS[name]
+    options = dict(add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+    text = tok.apply_chat_template(messages, **options)
+    assert text == reference.apply_chat_template(messages, tokenize=False, **options)
+    assert tok.encode(text) == reference.apply_chat_template(messages, return_dict=False, **options)
+
+
+def test_chat_format_as_qwen_documents_it(chat_pair):
+    """The format spelled out: ChatML turns, old reasoning dropped, the empty think block when
+    thinking is off."""
+    tok = chat_pair[1]
+    messages = [SYSTEM, user("Hi"), assistant("<think>greet</think>Hello!"), user("Bye")]
+    assert tok.apply_chat_template(messages, enable_thinking=False) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_template_in_tokenizer_config(q7, qwen_hf, tmp_path):
+    """The Hub's layout (Qwen3's own): the template inside tokenizer_config.json."""
+    tok = q7.load_tokenizer(save_tokenizer(qwen_hf, tmp_path, {"chat_template": QWEN3_CHAT_TEMPLATE}))
+    expected = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template([user("Hi")]) == expected
+
+
+def test_named_templates(q7, qwen_hf, tmp_path):
+    """tokenizer_config.json may hold a list of named templates: "default" is the chat's."""
+    templates = [{"name": "tool_use", "template": "{{ messages }}"},
+                 {"name": "default", "template": QWEN3_CHAT_TEMPLATE}]
+    tok = q7.load_tokenizer(save_tokenizer(qwen_hf, tmp_path, {"chat_template": templates}))
+    assert tok.apply_chat_template([user("Hi")], enable_thinking=False).endswith("</think>\n\n")
+
+
+def test_base_model_is_never_chat_wrapped(q7, qwen_hf, tmp_path):
+    tok = q7.load_tokenizer(save_tokenizer(qwen_hf, tmp_path, {"eos_token": "<|endoftext|>"}))
+    with pytest.raises(ValueError, match="base model"):
+        tok.apply_chat_template([user("Hi")])
+
+
+def test_other_chat_formats_are_refused(q7, qwen_hf, tmp_path):
+    """Another template loads (its text still encodes) but is never imitated."""
+    llama_like = "{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"
+    tok = q7.load_tokenizer(save_tokenizer(qwen_hf, tmp_path, {"chat_template": llama_like}))
+    assert tok.encode("Hi") == qwen_hf.encode("Hi").ids
+    with pytest.raises(ValueError, match="not Qwen3's"):
+        tok.apply_chat_template([user("Hi")])
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "messages is empty"),
+    ([{"role": "tool", "content": "42"}], "role 'tool'"),
+    ([{"role": "user"}], "str 'content'"),
+    ([{"role": "user", "content": None}], "str 'content'"),
+    (["hi"], "must be a dict"),
+    ([assistant("x", tool_calls=[])], "tool_calls"),
+    ([assistant("x", reasoning_content=1)], "reasoning_content"),
+])
+def test_bad_messages_are_errors(chat_pair, messages, message):
+    with pytest.raises(ValueError, match=message):
+        chat_pair[1].apply_chat_template(messages)
+
+
+def test_switches_must_be_bools(chat_pair):
+    """The template tests `enable_thinking is false`, so None or 0 would mean thinking on there
+    and off in a plain `if`: neither is accepted."""
+    for options in ({"enable_thinking": None}, {"add_generation_prompt": 0}):
+        with pytest.raises(TypeError, match="must be True or False"):
+            chat_pair[1].apply_chat_template([user("Hi")], **options)
+
+
+# -- what tiktoken cannot represent is refused -------------------------------------------------
+
+def edited(qwen_hf, edit):
+    """tokenizer.json of the Qwen-like tokenizer, changed by `edit(spec)`."""
+    spec = json.loads(qwen_hf.to_str())
+    edit(spec)
+    return spec
+
+
+def swap_overlapping_merges(spec):
+    """Swap the first two merges of ASCII letters that compete for one letter, (a, b) and (b, c),
+    so that "abc" encodes as a + bc instead of ab + c; return "abc"."""
+    merges = [tuple(m) for m in spec["model"]["merges"]]
+    letters = [(i, m) for i, m in enumerate(merges)
+               if all(len(p) == 1 and p.isascii() and p.isalpha() for p in m)]
+    i, j = next((i, j) for i, (a, b) in letters for j, (c, _) in letters if j > i and c == b)
+    merges[i], merges[j] = merges[j], merges[i]
+    spec["model"]["merges"] = merges
+    return merges[j][0] + merges[i][0] + merges[i][1]
+
+
+def steps(spec):
+    """The pre-tokenizer's steps: Split(regex), ByteLevel."""
+    return spec["pre_tokenizer"]["pretokenizers"]
+
+
+UNSUPPORTED = {
+    "WordPiece": (lambda s: s["model"].update(type="WordPiece"), "model type 'WordPiece'"),
+    "byte fallback": (lambda s: s["model"].update(byte_fallback=True), "not byte-level BPE"),
+    "NFKC": (lambda s: s.update(normalizer={"type": "NFKC"}), "normalizer .* not supported"),
+    "Metaspace": (lambda s: s.update(pre_tokenizer={"type": "Metaspace", "replacement": "▁"}),
+                  "not byte-level BPE's"),
+    "prefix space": (lambda s: steps(s)[1].update(add_prefix_space=True), "add_prefix_space"),
+    "Split removes": (lambda s: steps(s)[0].update(behavior="Removed"), "Isolated"),
+    "two regexes": (lambda s: steps(s)[1].update(use_regex=True), "not supported"),
+    "regex syntax": (lambda s: steps(s)[0].update(pattern={"Regex": "(?<"}),
+                     "tiktoken cannot use the pre-tokenizer regex"),
+    "decoder": (lambda s: s.update(decoder={"type": "Metaspace"}), "decoder 'Metaspace'"),
+    "post-processor": (lambda s: s.update(post_processor={"type": "TemplateProcessing"}),
+                       "post_processor 'TemplateProcessing'"),
+    "merges out of order": (swap_overlapping_merges, "tiktoken merges in id order"),
+    "unknown merge": (lambda s: s["model"]["merges"].append(["Ġ", "zzzz"]),
+                      "not in the vocabulary"),
+    "missing byte": (lambda s: s["model"]["vocab"].pop("Ā"), "255 of the 256 single bytes"),
+    "not byte-level vocab": (lambda s: s["model"]["vocab"].update({"▁the": 5000}),
+                             "'▁the' is not written in byte-level"),
+    "lstrip": (lambda s: s["added_tokens"][0].update(lstrip=True), r"sets \['lstrip'\]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_tokenizers_are_errors(q7, qwen_hf, tmp_path, name):
+    edit, message = UNSUPPORTED[name]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(edited(qwen_hf, edit)))
+    with pytest.raises(q7.DataError, match=message):
+        q7.load_tokenizer(tmp_path)
+
+
+def test_real_non_byte_level_models_are_errors(q7, tmp_path):
+    """WordPiece and Unigram tokenizers as the tokenizers library writes them."""
+    for kind, model in (("wordpiece", models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")),
+                        ("unigram", models.Unigram([("<unk>", 0.0), ("a", -1.0)], 0))):
+        save_tokenizer(Tokenizer(model), tmp_path / kind)
+        with pytest.raises(q7.DataError, match="is not byte-level BPE"):
+            q7.load_tokenizer(tmp_path / kind)
+
+
+def test_out_of_order_merges_really_encode_differently(qwen_hf):
+    """Why out-of-order merges are refused: with two swapped, tokenizers' ids change."""
+    spec = json.loads(qwen_hf.to_str())
+    text = swap_overlapping_merges(spec)
+    swapped = Tokenizer.from_str(json.dumps(spec))
+    assert swapped.encode(text).ids != qwen_hf.encode(text).ids
+
+
+def test_missing_or_broken_files_are_named(q7, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    for content, message in [(None, "tokenizer.json not found"),
+                             ("{not json", "not a readable JSON config"),
+                             ("[]", "expected a JSON object, got list"),
+                             ('{"version": "1.0"}', r"lacks \['model'\]"),
+                             ('{"model": []}', "model type None is not byte-level BPE"),
+                             ('{"model": {"type": "BPE", "vocab": {}}}', "needs a vocab")]:
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(q7.DataError, match=message) as err:
+            q7.load_tokenizer(tmp_path)
+        assert str(path) in str(err.value)
+
+
+def test_encode_takes_text_only(pair):
+    with pytest.raises(TypeError, match="text must be str"):
+        pair[1].encode(b"bytes")
+
+
+def test_nfc_really_matters(qwen_hf):
+    """The hard strings exercise the normalizer: without NFC tokenizers' ids would differ."""
+    raw = "cafe\u0301 \u212a"
+    assert unicodedata.normalize("NFC", raw) != raw
+    plain = Tokenizer.from_str(qwen_hf.to_str())
+    plain.normalizer = None
+    assert plain.encode(raw).ids != qwen_hf.encode(raw).ids
+
+# -- main's tokenizer: GPT-2's ranks written as tokenizer.json --------------------------------
+
+# GPT-2's pre-tokenizer regex, as OpenAI's encoder.py writes it: the reference for the demo's.
+GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def test_demo_tokenizer_is_gpt2s(q7, tmp_path):
+    """main's tokenizer: GPT-2's first ranks from data/gpt2.tiktoken, written as tokenizer.json
+    with Qwen3's chat tokens. tokenizers reads that file to the ids tiktoken gives from the ranks
+    themselves, and so does load_tokenizer; its short chat template renders in transformers as
+    Qwen3's format does."""
+    import tiktoken
+    from transformers import PreTrainedTokenizerFast
+
+    folder = q7.demo_tokenizer(tmp_path)
+    ranks = {token: rank for token, rank in q7.read_ranks(q7.data_file("gpt2.tiktoken")).items()
+             if rank < q7.DEMO_RANKS}
+    added = {content: i for i, content, _ in q7.DEMO_ADDED_TOKENS}
+    reference = tiktoken.Encoding("gpt2-head", pat_str=GPT2_REGEX, mergeable_ranks=ranks,
+                                  special_tokens=added)
+    hf, ours = Tokenizer.from_file(str(folder / "tokenizer.json")), q7.load_tokenizer(folder)
+    assert hf.get_vocab_size() == len(ours.token_bytes) == q7.DEMO_RANKS + len(added)
+    for text in HARD_STRINGS + corpus(300):
+        ids = reference.encode(text, allowed_special="all")
+        assert hf.encode(text).ids == ids and ours.encode(text) == ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.eos_token_ids == {added["<|im_end|>"], added["<|endoftext|>"]}
+    rendering = PreTrainedTokenizerFast.from_pretrained(folder)
+    for messages in ([user("Hi")], [SYSTEM, user("2+2?"), assistant("4"), user("and 3+3?")]):
+        for thinking in (True, False):
+            assert ours.apply_chat_template(messages, enable_thinking=thinking) == \
+                rendering.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              enable_thinking=thinking)
+
+
+# --------------------------------------------------------------------------- the cached paths
+
+@torch.no_grad()
+def test_cached_steps_equal_full_recomputation(q7, hf_dir):
+    """Through the model's cached path, as the runner drives it: a right-padded prefill of two
+    prompts of different lengths, then single-token steps, then a 3-token step, each row at its
+    own positions; every logit against one forward pass over the whole sequences."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    full_ids = torch.tensor([random_ids(16, seed=8), random_ids(16, seed=9)])
+    full = model(full_ids)  # (2, 16, V): the reference, no cache
+    cache = q7.KVCache(model.cfg, rows=3, length=20, device="cpu", dtype=torch.float32)
+    lengths = [6, 3]
+    prompts = full_ids.clone()
+    prompts[1, 3:6] = 0  # row 1's padding
+    h = model.hidden_states(prompts[:, :6], cache=cache)
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(model.logits(h[row, :n]), full[row, :n], rtol=0, atol=1e-5)
+    pos = torch.tensor(lengths)
+    for _ in range(5):  # one token a row, each at its own position
+        ids = full_ids[torch.arange(2), pos][:, None]
+        logits = model(ids, pos[:, None], cache, kv_len=int(pos.max()) + 1)[:, 0]
+        torch.testing.assert_close(logits, full[torch.arange(2), pos], rtol=0, atol=1e-5)
+        pos += 1
+    chunk = pos[:, None] + torch.arange(3)  # (2, 3): three tokens a row at once
+    logits = model(full_ids.gather(1, chunk), chunk, cache, kv_len=int(chunk.max()) + 1)
+    torch.testing.assert_close(logits, full.gather(1, chunk[..., None].expand(-1, -1, 131)),
+                               rtol=0, atol=1e-5)
+
+
+def test_model_checks_its_inputs(q7, hf_dir):
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 131\), got ids from 0 to 131"):
+        model(torch.tensor([[0, 131]]))
+    with pytest.raises(ValueError, match=r"input_ids must be a \(B, T\) tensor"):
+        model(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="positions and kv_len go together, and with a cache"):
+        model(torch.tensor([[1]]), torch.tensor([[3]]), kv_len=4)
+
+
+# ------------------------------------------------------------------------- the Triton kernels
+
+def gen64(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape, dtype, tol", [((3, 5, 32), torch.float32, 1e-6),  # rows in registers
+                                               ((4, 1500), torch.float32, 1e-6),  # streamed rows
+                                               ((7, 96), torch.float16, 2e-3)])
+def test_rms_norm_kernel(q7, shape, dtype, tol):
+    x, w = gen64(*shape, seed=1) * 3 + 0.5, gen64(shape[-1], seed=2)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.05) * w
+    y = q7.rms_norm(x.to(DEVICE, dtype), w.to(DEVICE, dtype), eps=0.05).cpu()
+    assert y.dtype == dtype and y.shape == x.shape
+    assert ((y.double() - expected).norm() / expected.norm()).item() < tol
+
+
+def test_swiglu_kernel(q7):
+    g, u = gen64(3, 7, 33, seed=3) * 4, gen64(3, 7, 33, seed=4)
+    y = q7.swiglu(g.float().to(DEVICE), u.float().to(DEVICE)).cpu()
+    assert ((y.double() - F.silu(g) * u).abs().max()).item() < 1e-5
+
+
+def attention_float64(q, k, v, causal):
+    """softmax(q k^T / sqrt(D)) v in float64, GQA heads by index, causal bottom-right."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    T, S = q.shape[2], k.shape[2]
+    if causal:
+        visible = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("B, Hq, Hkv, T, S, D, causal", [(2, 4, 2, 13, 13, 32, True),
+                                                        (1, 4, 1, 5, 19, 32, True),
+                                                        (1, 2, 2, 7, 9, 64, False)])
+def test_flash_attention_forward(q7, B, Hq, Hkv, T, S, D, causal):
+    q, k, v = gen64(B, Hq, T, D, seed=5), gen64(B, Hkv, S, D, seed=6), gen64(B, Hkv, S, D, seed=7)
+    out = q7.flash_attention(*(x.float().to(DEVICE) for x in (q, k, v)), causal=causal).cpu()
+    assert out.shape == (B, Hq, T, D)
+    assert (out.double() - attention_float64(q, k, v, causal)).abs().max().item() < 1e-5
+
+
+def test_the_kernels_refuse_bad_inputs(q7):
+    ones = functools.partial(torch.ones, device=DEVICE)
+    with pytest.raises(TypeError, match="x has dtype torch.float64"):
+        q7.rms_norm(ones(2, 4, dtype=torch.float64), ones(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"weight has shape \(3,\); expected \(4,\)"):
+        q7.rms_norm(ones(2, 4), ones(3))
+    with pytest.raises(ValueError, match="gate .* and up .* differ"):
+        q7.swiglu(ones(2, 4), ones(2, 5))
+    with pytest.raises(ValueError, match="head size D=48 is not supported"):
+        q7.flash_attention(*(ones(1, 2, 3, 48) for _ in range(3)))
+
+
+@torch.no_grad()
+def test_model_on_the_kernels_matches_its_torch_path(q7, hf_dir):
+    """RMSNorm, SwiGLU and the prefill's flash attention on the kernels (interpreter) against
+    the torch twins: logits, and the engine's greedy tokens."""
+    model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2], PROMPTS[2] + PROMPTS[0]], device=DEVICE)  # (2, 18)
+    reference = model.use_kernels(False)(ids)
+    on_kernels = model.use_kernels(True)(ids)
+    assert model.model.layers[1].self_attn.k_norm.kernels and model.model.layers[0].mlp.kernels
+    assert (on_kernels - reference).abs().max().item() < 1e-4
+    params = q7.SamplingParams(temperature=0, max_tokens=4)
+    kernels = q7.LLM(model, max_model_len=40).generate(PROMPTS, params)
+    torch_path = q7.LLM(model.use_kernels(False), max_model_len=40).generate(PROMPTS, params)
+    assert [o.token_ids for o in kernels] == [o.token_ids for o in torch_path]
+
+
+# ------------------------------------------------------------------------------ generation
+
+@torch.no_grad()
+def test_greedy_tokens_equal_transformers_generate(q7, hf_dir):
+    """Four prompts through two static batches (max_batch_size 2) against transformers' greedy
+    generate, one prompt at a time."""
+    hf, folder = hf_dir
+    llm = q7.LLM(folder, device="cpu", max_model_len=40, max_batch_size=2)
+    prompts = [*PROMPTS, random_ids(1, seed=4)]
+    outputs = llm.generate(prompts, q7.SamplingParams(temperature=0, max_tokens=12))
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == expected and out.finish_reason == "length" and out.text is None
+    assert len({tuple(out.token_ids) for out in outputs}) == 4
+
+
+def test_generate_again_starts_clean(q7, llm):
+    params = q7.SamplingParams(temperature=0, max_tokens=5)
+    first = llm.generate(PROMPTS, params)
+    llm.generate([PROMPTS[2]], params)
+    again = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert not llm.engine.has_unfinished()
+
+
+@torch.no_grad()
+def test_logprobs_are_the_models(q7, hf_dir, llm):
+    hf = hf_dir[0]
+    params = q7.SamplingParams(temperature=0.9, seed=3, max_tokens=6, logprobs=3)
+    out = llm.generate([PROMPTS[0], PROMPTS[1]], [params, q7.SamplingParams(max_tokens=2)])
+    assert out[1].logprobs is None
+    prompt, got = PROMPTS[0], out[0]
+    logp = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1:-1].double().log_softmax(-1)
+    assert len(got.logprobs) == 6
+    for step, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+        top = logp[step].topk(3)
+        assert set(entry) == {token, *top.indices.tolist()}
+        for token_id, value in entry.items():
+            assert abs(value - logp[step, token_id].item()) < 1e-4
+
+
+def test_finish_reasons_and_text(q7, qwen_dir, qwen_hf):
+    """The eos or stop id that ends a request is not in its text, and neither are special tokens
+    (vLLM's skip_special_tokens); the reference is tokenizers' decode. A special token is made to
+    come out mid-text by giving it an output row twice that of a token greedy decoding picks."""
+    model = q7.load_qwen3(qwen_dir, device="cpu")
+    tokenizer = q7.load_tokenizer(qwen_dir)
+    prompt = tokenizer.encode("the cat sat")
+    greedy = q7.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = q7.LLM(model, max_model_len=40).generate([prompt], greedy)[0].token_ids
+    im_start = qwen_hf.token_to_id("<|im_start|>")
+    with torch.no_grad():
+        model.lm_head.weight[im_start] = 2 * model.lm_head.weight[first[1]]
+    tokens = q7.LLM(model, max_model_len=40).generate([prompt], greedy)[0].token_ids
+    assert im_start in tokens[:-1]
+
+    def text(ids):
+        return qwen_hf.decode(ids, skip_special_tokens=True)
+
+    out = q7.LLM(model, tokenizer=tokenizer, max_model_len=40).generate([prompt], greedy)[0]
+    assert (out.token_ids, out.finish_reason, out.text) == (tokens, "length", text(tokens))
+    assert out.text != qwen_hf.decode(tokens, skip_special_tokens=False)
+    stop = tokens[3]
+    ends_at_stop = copy.copy(tokenizer)
+    ends_at_stop.eos_token_ids = frozenset({stop})
+    end = tokens.index(stop)
+    out = q7.LLM(model, tokenizer=ends_at_stop, max_model_len=40).generate(
+        [prompt], q7.SamplingParams(temperature=0, max_tokens=10))[0]  # the eos id ends it
+    assert (out.token_ids, out.finish_reason, out.text) == (tokens[:end + 1], "stop", text(tokens[:end]))
+    other = next(t for t in tokens[4:] if t not in tokens[:4])
+    end = tokens.index(other)
+    out = q7.LLM(model, tokenizer=tokenizer, max_model_len=40).generate(  # a stop id
+        [prompt], q7.SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[other],
+                                    ignore_eos=True))[0]
+    assert (out.token_ids, out.finish_reason, out.text) == (tokens[:end + 1], "stop", text(tokens[:end]))
+    out = q7.LLM(model, tokenizer=tokenizer, max_model_len=40).generate(
+        "the cat sat", q7.SamplingParams(max_tokens=None, seed=1, ignore_eos=True))[0]
+    assert out.prompt_token_ids == qwen_hf.encode("the cat sat").ids
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
+    assert out.text == text(out.token_ids)
+
+
+def test_eos_ids_come_from_the_config_files(q7, hf_dir, tmp_path):
+    tokens = q7.LLM(hf_dir[1], device="cpu", max_model_len=40).generate(
+        [PROMPTS[1]], q7.SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    folder = save_hf(hf_dir[0], tmp_path)
+    write_config(folder, eos_token_id=tokens[4])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokens[2], 130]}))
+    assert q7.config_eos_token_ids(folder) == {tokens[4], tokens[2], 130}
+    out = q7.LLM(folder, device="cpu", max_model_len=40).generate(
+        [PROMPTS[1]], q7.SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.token_ids == tokens[:min(tokens.index(tokens[2]), tokens.index(tokens[4])) + 1]
+
+
+# --------------------------------------------------------------------------------- sampling
+
+def sampling_batch(q7, params, prompts=None, vocab=None):
+    return q7.SamplingBatch(params, prompts or [[0]] * len(params), vocab, "cpu")
+
+
+def expected_probs(logits, p):
+    """The distribution a row samples from, by the definitions, in float64 Python."""
+    z = [x / p.temperature for x in logits]
+    keep = set(range(len(z)))
+    if p.top_k:
+        kth = sorted(z, reverse=True)[p.top_k - 1]
+        keep = {i for i in keep if z[i] >= kth}
+
+    def softmax(kept):
+        m = max(z[i] for i in kept)
+        e = {i: math.exp(z[i] - m) for i in kept}
+        return {i: v / sum(e.values()) for i, v in e.items()}
+
+    if p.top_p < 1:  # walk down the ranking until the mass reaches top_p (that token stays)
+        probs, mass, kept = softmax(keep), 0.0, set()
+        for i in sorted(keep, key=lambda i: -probs[i]):
+            if mass >= p.top_p:
+                break
+            kept.add(i)
+            mass += probs[i]
+        keep = kept
+    if p.min_p > 0:
+        probs = softmax(keep)
+        keep = {i for i in keep if probs[i] >= p.min_p * max(probs.values())}
+    probs = softmax(keep)
+    return [probs.get(i, 0.0) for i in range(len(z))]
+
+
+def test_filters_match_their_definitions(q7):
+    """Each row of one batch with its own temperature, top-k, top-p and min-p, against the
+    definitions: the same support, the same probabilities."""
+    P = q7.SamplingParams
+    params = [P(temperature=0.7, top_k=5), P(temperature=1.3, top_p=0.6), P(min_p=0.2),
+              P(temperature=0.5, top_k=12, top_p=0.9, min_p=0.05), P(temperature=2.0),
+              P(top_k=1), P(top_p=0.05)]
+    logits = gen64(len(params), 40, seed=11) * 2
+    probs = q7.Sampler.probs(logits.float(), sampling_batch(q7, params, vocab=40))
+    for row, p in enumerate(params):
+        expected = torch.tensor(expected_probs(logits[row].tolist(), p))
+        assert torch.equal(probs[row] > 0, expected > 0), f"row {row}: another support"
+        assert (probs[row].double() - expected).abs().max().item() < 1e-6, f"row {row}"
+    assert [int((probs[row] > 0).sum()) for row in (0, 5, 6)] == [5, 1, 1]
+
+
+def test_greedy_rows_take_the_argmax(q7):
+    """temperature 0, or one so small that logits / temperature would overflow, is greedy; a
+    batch mixing them with sampled rows gives each row its own way."""
+    P = q7.SamplingParams
+    params = [P(temperature=0), P(temperature=1e-30), P(temperature=1e-4, seed=0), P(temperature=5.0, seed=1)]
+    logits = (gen64(4, 30, seed=13) * 3).float()
+    logits[2, 7] = logits[2].max() + 0.01  # at temperature 1e-4 a gap of 0.01 is decisive
+    tokens, _ = q7.Sampler()(logits, sampling_batch(q7, params, vocab=30))
+    assert tokens[:3].tolist() == [int(logits[0].argmax()), int(logits[1].argmax()), 7]
+    assert torch.isfinite(q7.Sampler.probs(logits, sampling_batch(q7, params, vocab=30))).all()
+
+
+def test_top_p_keeps_the_token_that_crosses(q7):
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    for top_p, kept in [(0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.96, 4), (1.0, 4)]:
+        probs = q7.Sampler.probs(logits, sampling_batch(q7, [q7.SamplingParams(top_p=top_p)], vocab=4))
+        assert int((probs > 0).sum()) == kept, top_p
+
+
+def chi_square_limit(df, z=3.72):
+    """The chi-square value that df degrees of freedom exceed with probability 1e-4 (z = 3.72)
+    (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_draws_follow_the_probabilities(q7, seeded):
+    """20,000 draws of one filtered distribution: never a token outside it, and counts that a
+    chi-square test accepts. Unseeded rows share torch's generator; seeded ones draw each from
+    its own."""
+    n, logits = 20000, gen64(1, 12, seed=12)[0] * 1.5
+    p = q7.SamplingParams(temperature=0.8, top_k=9, top_p=0.95, min_p=0.02)
+    expected = torch.tensor(expected_probs(logits.tolist(), p))
+    rows = [q7.SamplingParams(temperature=0.8, top_k=9, top_p=0.95, min_p=0.02, seed=i)
+            for i in range(n)] if seeded else [p] * n
+    torch.manual_seed(0)
+    tokens, _ = q7.Sampler()(logits.float().expand(n, -1), sampling_batch(q7, rows, vocab=12))
+    counts = torch.bincount(tokens, minlength=12).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0 and 3 <= int(support.sum()) < 12
+    chi2 = ((counts[support] - n * expected[support]) ** 2 / (n * expected[support])).sum().item()
+    assert chi2 < chi_square_limit(int(support.sum()) - 1), chi2
+
+
+def test_penalties_match_their_definitions(q7):
+    P = q7.SamplingParams
+    params = [P(repetition_penalty=5.0, temperature=0), P(presence_penalty=0.7, frequency_penalty=-0.4),
+              P(repetition_penalty=0.8, frequency_penalty=1.1)]
+    prompts = [[1, 2], [3], [0, 4, 4]]
+    batch = sampling_batch(q7, params, prompts, vocab=6)
+    outputs = [[2, 5, 5], [3, 3, 1], [5, 0, 4]]
+    for step in range(3):
+        batch.record(torch.tensor([out[step] for out in outputs]))
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.3, -0.2, 1.0]] * 3)
+    penalized = q7.apply_penalties(logits, batch)
+    for row, p in enumerate(params):
+        for token in range(6):
+            x = logits[row, token].item()
+            count = outputs[row].count(token)
+            if token in prompts[row] or count:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            x -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            assert penalized[row, token].item() == pytest.approx(x, abs=1e-6), (row, token)
+    batch = sampling_batch(q7, params[:1], prompts[:1], vocab=6)
+    tokens, _ = q7.Sampler()(logits[:1], batch)
+    assert tokens.tolist() == [5]  # greedy after the penalty: token 2 (in the prompt) drops to 0.4
+
+
+def test_a_seed_gives_the_same_tokens_in_any_batch(q7, llm):
+    P = q7.SamplingParams
+    seeded = P(temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
+    alone = llm.generate([PROMPTS[0]], seeded)[0].token_ids
+    crowd = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0]],
+                         [P(temperature=1.0, max_tokens=12), seeded, P(temperature=0, max_tokens=3),
+                          P(temperature=0.7, seed=8, top_k=20, max_tokens=10), seeded])
+    assert crowd[1].token_ids == alone == crowd[4].token_ids  # two batches: 4 rows, then 1
+    assert crowd[3].token_ids != alone  # another seed, another sample
+    assert llm.generate([PROMPTS[0]], seeded)[0].token_ids == alone
+
+
+# ----------------------------------------------------------------------- structured output
+
+# -- references written here: a JSON schema validator for the subset, a per-token mask ---------
+
+def json_equal(a, b):
+    """Equality of parsed JSON values, where true is not 1 and 1 is not "1"."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def has_type(value, kind):
+    if isinstance(value, bool):
+        return kind == "boolean"
+    return {"object": isinstance(value, dict), "array": isinstance(value, list),
+            "string": isinstance(value, str), "integer": isinstance(value, int),
+            "number": isinstance(value, (int, float)), "boolean": False,
+            "null": value is None}[kind]
+
+
+def validate(value, schema, strict=False):
+    """JSON schema validation for the subset; `strict` also demands what the grammar's policy
+    writes: no properties beyond 'properties', in their declared order."""
+    if "type" in schema and not has_type(value, schema["type"]):
+        return False
+    if "const" in schema:
+        return json_equal(value, schema["const"])
+    if "enum" in schema:
+        return any(json_equal(value, v) for v in schema["enum"])
+    if isinstance(value, dict):
+        props = schema["properties"]
+        if strict and list(value) != [k for k in props if k in value]:
+            return False
+        return all(k in value for k in schema.get("required", [])) and \
+            all(validate(v, props[k], strict) for k, v in value.items() if k in props)
+    if isinstance(value, list):
+        return schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)) and \
+            all(validate(v, schema["items"], strict) for v in value)
+    if isinstance(value, str):
+        return schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value))
+    return True
+
+
+def brute_force_mask(dfa, vocab, eos_ids, state):
+    """Token by token: allowed if every byte keeps dfa.trans off -1; eos only where accepting."""
+    allowed = np.zeros(len(vocab), dtype=bool)
+    for i, data in enumerate(vocab):
+        if i in eos_ids:
+            allowed[i] = dfa.accepting[state]
+            continue
+        s = state
+        for byte in data or b"":
+            s = dfa.trans[s, byte]
+            if s < 0:
+                break
+        allowed[i] = bool(data) and s >= 0
+    return allowed
+
+
+def sample_accepted(dfa, rng, stop=0.3, limit=40):
+    """A random text the DFA accepts: a random walk over live bytes, stopping at an accepting
+    state with probability `stop` (None if the walk got too long)."""
+    state, out = 0, bytearray()
+    while len(out) < limit:
+        if dfa.accepting[state] and (rng.random() < stop or (dfa.trans[state] < 0).all()):
+            return bytes(out)
+        byte = rng.choice(np.flatnonzero(dfa.trans[state] >= 0).tolist())
+        out.append(byte)
+        state = dfa.trans[state, byte]
+    return None
+
+
+def small_vocab(seed=0):
+    """~700 tokens: the 256 bytes, JSON and word pieces, tokens that cut UTF-8 characters, random
+    byte strings, a duplicate, ids with no bytes, and two eos ids (one with bytes of its own)."""
+    rng = random.Random(seed)
+    words = ['{"', '":', '":"', '","', '"}', '},', ',"', '[', '],', '"]', '[]', '{}', 'true',
+             'false', 'null', 'name', 'na', 'me', 'age', 'tags', 'city', '12', '007', '3.5',
+             'e+', 'E-', '-0', '.5', 'yes', 'no', 'maybe', 'ab', 'abc', 'cd', 'é', 'né', '€',
+             '😀', '\\n', '\\"', '\\u00', '\\u0041', '\\ud8', 'x', 'xyz', 'a-b', '42,', ' ']
+    pieces = [w.encode() for w in words]
+    pieces += ["é".encode()[:1], "€".encode()[:2], "€".encode()[1:], "😀".encode()[:3],
+               "😀".encode()[1:], "😀".encode()[2:], b"\xff", b"\xc0\x80", b'\x01"']
+    alphabet = b'abcxyz0123456789-.,:"{}[]\\ e' + "é€😀".encode()
+    pieces += [bytes(rng.choice(alphabet) for _ in range(rng.randint(2, 6))) for _ in range(400)]
+    vocab = [bytes([b]) for b in range(256)] + list(dict.fromkeys(pieces))
+    vocab += [b"name", None, None, b"", None, b"<eos>"]  # a duplicate, no bytes, then eos ids
+    return vocab, [len(vocab) - 2, len(vocab) - 1]
+
+
+VOCAB, EOS = small_vocab()
+
+
+@pytest.fixture(scope="module")
+def grammar_cache(q7):
+    return q7.GrammarCache(VOCAB, EOS)
+
+
+def generate_with_random_logits(q7, masker, gen, max_steps=4000):
+    """Random-logit sampling under the masks: (the output's bytes, how it ended)."""
+    state, out = masker.start, bytearray()
+    for _ in range(max_steps):
+        if masker.is_finished(state):
+            return bytes(out), "finished"
+        logits = 3 * torch.randn(1, len(VOCAB), generator=gen)
+        q7.apply_token_masks(logits, [masker.mask(state)])
+        token = torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen).item()
+        state = masker.advance(state, token)
+        assert state != q7.DEAD, f"token {token} {VOCAB[token]!r} was allowed but is dead"
+        if token in EOS:
+            return bytes(out), "eos"
+        out += VOCAB[token]
+    raise AssertionError(f"no end after {max_steps} steps: {bytes(out)[:200]!r}")
+
+
+# -- regex: the subset against re.fullmatch (ASCII classes, as documented) ---------------------
+
+PATTERNS = [
+    r"abc", r"a|b|", r"(ab|cd)*e?", r"a+b*c?", r"x{3}", r"x{2,}", r"x{1,3}y", r"x{,2}",
+    r"(?:ab){2,3}", r"[a-cx-z]+", r"[^a-c]", r"[^\n]*", r"[]a]", r"[^]a]", r"[a-]", r"[-a]",
+    r"\d+\.\d*", r"\w+\s\W", r"\D\S", r"[\d\s]+", r"[^\w]", r"[\b]", r"\x41\u00e9\U0001F600",
+    r"\.\*\+\?\(\)\[\]\{\}\|\\\^\$", r"\n\t\r\f\v\a", r".", r"..?", r"é+€?", r"[é-ë😀]+",
+    r"[^é]", r"a*?b+?c??d{1,2}?", r"((a|b)(c|))*", r"()", r"(|a)+", r"-?(0|[1-9]\d*)(\.\d+)?",
+    r"[^\x00-\x1f\"\\]{0,3}", r"}]", r"a{0}b",
+]
+ALPHABET = "abcdexyz019_- .\n\t\r\x0b\x0c\x07\x08{}[]()|*+?.\\$^AéêëÉ€😀\x00\x1f\"]"
+
+
+def check_against_re(q7, pattern, rng, n_random=150, n_accepted=60):
+    dfa = q7.compile_grammar(regex=pattern)
+    texts = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 6)))
+             for _ in range(n_random)]
+    for _ in range(n_accepted):
+        data = sample_accepted(dfa, rng)
+        if data is not None:
+            texts.append(data.decode("utf-8"))  # an accepted walk must be whole UTF-8 text
+    accepted = 0
+    for text in texts:
+        expected = re.fullmatch(pattern, text, re.ASCII) is not None
+        assert dfa.matches(text.encode()) == expected, (pattern, text)
+        accepted += expected
+    return accepted
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_agrees_with_re(q7, pattern):
+    rng = random.Random(pattern)
+    assert check_against_re(q7, pattern, rng) > 0, "no accepted text was checked"
+
+
+REGEX_ATOMS = ["a", "b", "é", "€", "😀", r"\d", r"\w", r"\s", r"\D", r"\W", ".", "[a-c]", "[^ab]",
+               r"[\d_]", r"\.", r"\n", r"\x41", r"\u00e9", "[é-ë]", r"[^\w]", "[^é€]"]
+REGEX_QUANTIFIERS = ["*", "+", "?", "{2}", "{1,3}", "{2,}", "{,2}", "*?", "??", "{0,1}?"]
+
+
+def random_regex(rng, depth=3):
+    roll = rng.random()
+    if depth == 0 or roll < 0.3:
+        return rng.choice(REGEX_ATOMS)
+    if roll < 0.55:
+        return "".join(random_regex(rng, depth - 1) for _ in range(rng.randint(2, 3)))
+    if roll < 0.75:
+        options = "|".join(random_regex(rng, depth - 1) for _ in range(rng.randint(2, 3)))
+        return rng.choice(["(", "(?:"]) + options + ")"
+    return "(?:" + random_regex(rng, depth - 1) + ")" + rng.choice(REGEX_QUANTIFIERS)
+
+
+def test_random_regexes_agree_with_re(q7):
+    rng = random.Random(0)
+    accepted = sum(check_against_re(q7, random_regex(rng), rng, 60, 20) for _ in range(120))
+    assert accepted > 1000
+
+
+def test_utf8_every_one_and_two_byte_string_and_sampled_longer_ones(q7):
+    """'.' accepts exactly the UTF-8 encodings of one character other than a newline: checked
+    on all byte strings of one and two bytes and on random ones of three and four."""
+    dfa = q7.compile_grammar(regex=".")
+    rng = random.Random(1)
+    candidates = [bytes([a]) for a in range(256)] + [bytes([a, b]) for a in range(256)
+                                                      for b in range(256)]
+    candidates += [bytes(rng.choice([rng.randrange(256), rng.randrange(0x80, 0xC0)])
+                         for _ in range(n)) for n in (3, 4) for _ in range(30_000)]
+    candidates += [chr(c).encode() for c in (0x7FF, 0x800, 0xD7FF, 0xE000, 0xFFFF, 0x10000,
+                                             0x10FFFF)] + [b"\xed\xa0\x80", b"\xf4\x90\x80\x80"]
+    for data in candidates:
+        try:
+            text = data.decode("utf-8")
+            expected = len(text) == 1 and text != "\n"
+        except UnicodeDecodeError:
+            expected = False
+        assert dfa.matches(data) == expected, data
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("^a", "anchor"), ("a$", "anchor"), (r"\bfoo", "word boundary"), (r"\Aa", "anchor"),
+    (r"(a)\1", "backreference"), ("(?=a)", "lookahead"), ("(?!a)", "negative lookahead"),
+    ("(?<=a)b", "lookbehind"), ("(?<!a)b", "negative lookbehind"), ("(?P<x>a)", "named group"),
+    ("(?i)a", "inline flag"), ("(?>a)", "atomic group"), ("a**", "multiple repeat"),
+    ("a{2}*", "multiple repeat"), ("a*+", "possessive"), ("*a", "nothing to repeat"),
+    ("a|+", "nothing to repeat"), ("(a", "missing ')'"), ("a)", "unbalanced ')'"),
+    ("[a", "unterminated character class"), ("[z-a]", "bad character range"),
+    (r"[\d-z]", "bad character range"), (r"\q", "unknown escape"), (r"\p{L}", "Unicode property"),
+    (r"\N{DASH}", "named character"), ("a{", "escaped"), ("{2}", "escaped"),
+    ("a{3,2}", "greater than max"), ("a{5000}", "repeat count"), (r"\xZZ", "bad escape"),
+    (r"\U00110000", "bad escape"), ("a\\", "unexpected end"),
+    ("[^\x00-\U0010ffff]", "matches no text"), ("(a|b)*a(a|b){15}", "states"),
+])
+def test_regex_errors_name_the_construct(q7, pattern, message):
+    with pytest.raises(q7.GrammarError, match=re.escape(message)):
+        q7.compile_grammar(regex=pattern)
+
+
+# -- JSON schema: every keyword, against the validator above -----------------------------------
+
+KEYWORD_SCHEMAS = {
+    "object/properties/required": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "boolean"}},
+        "required": ["b"]},
+    "object/all optional": {"type": "object", "properties": {
+        "x": {"type": "null"}, "y": {"type": "number"}}},
+    "object/no properties": {"type": "object", "properties": {}},
+    "object/additionalProperties+annotations": {
+        "type": "object", "title": "T", "description": "d", "$schema": "x", "default": {},
+        "properties": {"k": {"type": "string", "examples": ["e"]}}, "required": ["k"],
+        "additionalProperties": False},
+    "array/items": {"type": "array", "items": {"type": "integer"}},
+    "array/minItems/maxItems": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
+                                "maxItems": 3},
+    "array/maxItems 0": {"type": "array", "items": {"type": "null"}, "maxItems": 0},
+    "string": {"type": "string"},
+    "string/minLength/maxLength": {"type": "string", "minLength": 2, "maxLength": 4},
+    "string/enum": {"type": "string", "enum": ["red", "green", "é\"\n"]},
+    "string/const": {"type": "string", "const": "fixed"},
+    "integer": {"type": "integer"},
+    "number": {"type": "number"},
+    "boolean": {"type": "boolean"},
+    "null": {"type": "null"},
+    "enum/mixed": {"enum": [1, "1", True, None, [1, {"a": 2}], {"b": [], "c": 1.5}]},
+    "const/object": {"const": {"k": [1, 2], "v": "x"}},
+    "nested": {"type": "object", "properties": {
+        "items": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+            "id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}}, "required": ["id"]}},
+        "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                 "required": ["ok"]}}, "required": ["meta"]},
+}
+
+STRING_POOL = ["", "a", "ab", "abc", "abcd", "abcde", "é", "😀x", 'q"', "back\\", "\n", "\x01",
+               "\x7f", " ", "red", "green", "é\"\n", "fixed", "1"]
+
+
+def random_value(schema, rng, depth=0):
+    """A value shaped by `schema`, with random mistakes: anything at all, missing or extra or
+    reordered properties, out-of-bounds lengths, numbers of the wrong kind."""
+    if rng.random() < 0.12 or depth > 4:
+        return rng.choice([None, True, False, 0, -7, 2.5, 1e20, "s", [], {}, [1], {"a": 1}])
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema["type"]
+    if kind == "object":
+        props = schema["properties"]
+        value = {k: random_value(s, rng, depth + 1) for k, s in props.items()
+                 if k in schema.get("required", []) and rng.random() < 0.95 or rng.random() < 0.5}
+        if rng.random() < 0.1:
+            value["extra"] = 1
+        if rng.random() < 0.15:
+            value = dict(reversed(value.items()))
+        return value
+    if kind == "array":
+        return [random_value(schema["items"], rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    if kind == "string":
+        return rng.choice(STRING_POOL)
+    return rng.choice({"integer": [0, -1, 42, -9007199254740993, 10 ** 30, 3.0],
+                       "number": [0, -0.0, 1.5, -2.25e-7, 1e100, 123456789, -3],
+                       "boolean": [True, False, 0], "null": [None, 0, ""]}[kind])
+
+
+@pytest.mark.parametrize("name", list(KEYWORD_SCHEMAS))
+def test_json_schema_keyword_accepts_exactly_valid_values(q7, name):
+    """For random values written as compact JSON: the automaton accepts exactly those the
+    validator (with the documented policy: declared order, no extra properties) accepts."""
+    schema = KEYWORD_SCHEMAS[name]
+    dfa = q7.compile_grammar(json_schema=schema)
+    rng = random.Random(name)
+    verdicts = set()
+    for _ in range(400):
+        value = random_value(schema, rng)
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        expected = validate(value, schema, strict=True)
+        assert dfa.matches(text.encode()) == expected, (text, expected)
+        verdicts.add(expected)
+    assert verdicts == {True, False}
+
+
+@pytest.mark.parametrize("schema, accepted, rejected", [
+    ({"type": "integer"}, ["0", "-0", "-12", "907"], ["01", "+1", "1.0", "1e3", "-", "", " 1"]),
+    ({"type": "number"}, ["0", "-0.0e+10", "1.5E-3", "12e7", "0.25"],
+     ["1.", ".5", "1e", "+1", "01.5", "1.5.2", "NaN", "Infinity", "0x1"]),
+    ({"type": "string"}, ['""', '"\\u0041\\/\\b\\f\\n\\r\\t\\"\\\\"', '"é😀\x7f"', '"\\uFFFF"'],
+     ['"\x01"', '"\n"', '"\\x"', '"\\u12"', '"\\ud800"', '"\\uDFFF"', '"a', "'a'", '"\\"']),
+    ({"type": "boolean"}, ["true", "false"], ["True", "1", "tru", "truefalse"]),
+    ({"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}}},
+     ["{}", '{"a":null}', '{"b":null}', '{"a":null,"b":null}'],
+     ['{"b":null,"a":null}', '{,"b":null}', '{"a":null,}', '{"a": null}', '{ }']),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 2},
+     ["[1,2]", "[1,2,3,4]"], ["[]", "[1]", "[1,]", "[,1,2]", "[1, 2]"]),
+])
+def test_json_edge_texts(q7, schema, accepted, rejected):
+    """Hand-picked texts, including valid JSON the policy refuses (whitespace, surrogate
+    escapes) and near-misses of the number and string grammars."""
+    dfa = q7.compile_grammar(json_schema=schema)
+    for text in accepted:
+        json.loads(text)
+        assert dfa.matches(text.encode()), text
+    for text in rejected:
+        assert not dfa.matches(text.encode()), text
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": 0}, "'minimum'"),
+    ({"type": "string", "pattern": "a+"}, "'pattern'"),
+    ({"type": "string", "format": "date"}, "'format'"),
+    ({"$ref": "#/$defs/x"}, "'$ref'"),
+    ({"anyOf": [{"type": "null"}]}, "'anyOf'"),
+    ({"oneOf": [{"type": "null"}], "allOf": []}, "'allOf', 'oneOf'"),
+    ({"type": ["string", "null"]}, "no lists of types"),
+    ({"type": "date"}, "'type' 'date'"),
+    ({"type": "object"}, "needs 'properties'"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]}, "'required'"),
+    ({"type": "array"}, "needs 'items'"),
+    ({"type": "array", "items": {"type": "null"}, "minItems": 3, "maxItems": 2},
+     "'minItems' 3 is greater than 'maxItems' 2"),
+    ({"type": "string", "maxLength": -1}, "'maxLength'"),
+    ({"type": "string", "items": {}}, "'items' does not apply to type 'string'"),
+    ({"type": "integer", "const": "a"}, "not of type 'integer'"),
+    ({"enum": []}, "non-empty"),
+    ({"enum": [1], "const": 1}, "combine only with 'type'"),
+    ({"description": "no type"}, "needs 'type', 'enum' or 'const'"),
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "number", "multipleOf": 2}}}}}, "schema.properties.a.properties.b"),
+    (True, "must be a JSON object"),
+    ("{not json", "not valid JSON"),
+])
+def test_json_schema_errors_name_the_keyword(q7, schema, message):
+    with pytest.raises(q7.GrammarError, match=re.escape(message)):
+        q7.compile_grammar(json_schema=schema)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"choice": []}, "non-empty list"), ({"choice": "yes"}, "non-empty list"),
+    ({"choice": ["a", 1]}, "non-empty list"), ({"choice": ["\ud800"]}, "surrogate"),
+    ({"regex": 5}, "must be a string"), ({"regex": "a", "choice": ["a"]}, "give one of"),
+])
+def test_constraint_errors(q7, kwargs, message):
+    with pytest.raises(q7.GrammarError, match=re.escape(message)):
+        q7.compile_grammar(**kwargs)
+
+
+def test_choice_accepts_exactly_its_strings(q7):
+    choices = ["yes", "no", "né", "", "yes!", "😀"]
+    dfa = q7.compile_grammar(choice=choices)
+    rng = random.Random(0)
+    texts = choices + ["ye", "yes!!", "n", "nó", "noo", " yes"] + \
+        ["".join(rng.choice("yesnoé!😀") for _ in range(rng.randint(0, 4))) for _ in range(300)]
+    for text in texts:
+        assert dfa.matches(text.encode()) == (text in choices), text
+
+
+# -- token masks, the trie walk and the engine-facing API --------------------------------------
+
+MASK_CONSTRAINTS = [{"regex": r"(ab|cd)*[xyz]{1,3}"}, {"regex": r"[^\x00-\x1f]{2,5}é"},
+                    {"regex": r"\d+(\.\d+)?"}, {"choice": ["yes", "no", "maybe", "né", "😀"]},
+                    {"json_schema": KEYWORD_SCHEMAS["nested"]},
+                    {"json_schema": KEYWORD_SCHEMAS["string/minLength/maxLength"]}]
+
+
+@pytest.mark.parametrize("constraint", MASK_CONSTRAINTS, ids=str)
+def test_masks_equal_a_per_token_walk_in_every_state(grammar_cache, constraint):
+    masker = grammar_cache.get(**constraint)
+    for state in range(masker.dfa.num_states):
+        mask = masker.mask(state)
+        assert mask.dtype == torch.bool and mask.shape == (len(VOCAB),)
+        expected = brute_force_mask(masker.dfa, VOCAB, EOS, state)
+        assert np.array_equal(mask.numpy(), expected), state
+        assert mask.any(), "a live state allows no token"
+        assert masker.mask(state) is mask  # cached
+
+
+def test_masks_on_a_deeper_vocabulary(q7):
+    """5,000 random tokens of 1..24 bytes from a small alphabet: deep, bushy trie levels."""
+    rng = random.Random(3)
+    vocab = [bytes([b]) for b in range(256)] + list(dict.fromkeys(
+        bytes(rng.choice(b'ab"{}:,0123456789\\') for _ in range(rng.randint(2, 24)))
+        for _ in range(5000)))
+    trie = q7.TokenTrie(vocab)
+    dfa = q7.compile_grammar(json_schema={"type": "object", "properties": {
+        "a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}}}})
+    masker = q7.TokenMasker(dfa, trie, eos_ids=[])
+    for state in range(dfa.num_states):
+        expected = brute_force_mask(dfa, vocab, [], state)
+        assert np.array_equal(masker.mask(state).numpy(), expected), state
+
+
+def test_advance_finish_and_eos(q7, grammar_cache):
+    masker = grammar_cache.get(choice=["ab", "abc"])
+    assert masker.advance(masker.start, EOS[0]) == q7.DEAD  # eos before a full match
+    after_ab = masker.advance(masker.start, VOCAB.index(b"ab"))
+    assert masker.is_accepting(after_ab) and not masker.is_finished(after_ab)
+    assert masker.mask(after_ab)[EOS].all()          # "ab" may end here or go on with "c"
+    assert masker.advance(after_ab, EOS[1]) == after_ab
+    done = masker.advance(masker.start, VOCAB.index(b"abc"))
+    assert masker.is_finished(done)
+    assert masker.mask(done).nonzero().flatten().tolist() == EOS  # only eos is left
+    assert masker.advance(done, VOCAB.index(b"a")) == q7.DEAD
+    assert masker.advance(masker.start, VOCAB.index(b"x")) == q7.DEAD
+    assert masker.advance(masker.start, len(VOCAB) - 4) == q7.DEAD  # an id with no bytes
+    assert not masker.is_accepting(q7.DEAD) and not masker.is_finished(q7.DEAD)
+    with pytest.raises(ValueError):
+        masker.mask(q7.DEAD)
+
+
+def test_utf8_split_tokens_and_aliases(q7, grammar_cache):
+    """A token holding half a character moves to a state inside the character; a duplicate
+    token (two ids, the same bytes) gets the same mask bit as its twin."""
+    masker = grammar_cache.get(choice=["né"])
+    n = masker.advance(masker.start, VOCAB.index(b"n"))
+    half = masker.advance(n, VOCAB.index("é".encode()[:1]))
+    assert half != q7.DEAD and not masker.is_accepting(half)
+    assert masker.is_finished(masker.advance(half, VOCAB.index("é".encode()[1:])))
+    allowed = grammar_cache.get(regex="name|x").mask(0)
+    twin_ids = [i for i, v in enumerate(VOCAB) if v == b"name"]
+    assert len(twin_ids) == 2 and allowed[twin_ids].all()
+
+
+def test_vocabulary_must_hold_every_byte(q7):
+    with pytest.raises(q7.GrammarError, match="single-byte tokens"):
+        q7.TokenTrie([bytes([b]) for b in range(255)] + [b"ab"])
+
+
+def test_grammar_cache_shares_maskers(grammar_cache):
+    schema = {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}}}
+    first = grammar_cache.get(json_schema=schema)
+    assert grammar_cache.get(json_schema=json.dumps(schema)) is first  # a dict or its JSON text
+    swapped = {"type": "object", "properties": {"b": {"type": "null"}, "a": {"type": "null"}}}
+    assert grammar_cache.get(json_schema=swapped) is not first  # the order is the output's
+    assert grammar_cache.get() is None
+
+
+def test_apply_token_masks_against_a_loop(q7):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, generator=gen)
+    masks = [torch.rand(10, generator=gen) > 0.5, None, torch.rand(10, generator=gen) > 0.5]
+    expected = logits.clone()
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            expected[row][~mask] = float("-inf")
+    assert torch.equal(q7.apply_token_masks(logits, masks), expected)
+    unchanged = logits.clone()
+    assert torch.equal(q7.apply_token_masks(logits, [None] * 3), unchanged)
+
+
+# -- always valid: random logits, masked, must give output that matches and ends by itself -----
+
+GENERATION_SCHEMAS = [
+    KEYWORD_SCHEMAS["nested"],
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+        "score": {"type": "number"}, "role": {"enum": ["admin", "user", None, 7]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
+        "fixed": {"const": {"k": [1, "é"]}}, "ok": {"type": "boolean"}},
+     "required": ["name", "role", "fixed"]},
+    {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 4},
+]
+
+
+@pytest.mark.parametrize("schema", GENERATION_SCHEMAS, ids=range(len(GENERATION_SCHEMAS)))
+def test_generation_always_valid_json(q7, grammar_cache, schema):
+    masker, gen = grammar_cache.get(json_schema=schema), torch.Generator().manual_seed(0)
+    for _ in range(12):
+        out, _ = generate_with_random_logits(q7, masker, gen)
+        assert validate(json.loads(out.decode("utf-8")), schema), out
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(ab|cd)*e?[xyz]{1,3}",
+                                     r"[^\x00-\x1f]{2,5}é", r"-?(0|[1-9]\d*)(\.\d+)?",
+                                     r"(yes|no|n\w+)!?"])
+def test_generation_always_matches_regex(q7, grammar_cache, pattern):
+    masker, gen = grammar_cache.get(regex=pattern), torch.Generator().manual_seed(1)
+    for _ in range(15):
+        out, _ = generate_with_random_logits(q7, masker, gen)
+        assert re.fullmatch(pattern, out.decode("utf-8"), re.ASCII), out
+
+
+def test_generation_choice_stops_when_nothing_may_follow(q7, grammar_cache):
+    choices = ["yes", "no", "maybe", "né", "😀"]
+    masker, gen = grammar_cache.get(choice=choices), torch.Generator().manual_seed(2)
+    endings = set()
+    for _ in range(30):
+        out, ending = generate_with_random_logits(q7, masker, gen)
+        assert out.decode("utf-8") in choices
+        endings.add(ending)
+    assert endings == {"finished"}  # no choice is a prefix of another: no eos is ever needed
+
+
+def test_bench_runs_and_cached_masks_are_faster(q7, capsys):
+    base = [v for v in VOCAB[256:] if v]
+    compile_s, first_s, hit_s = q7.bench_structured(base, schema=KEYWORD_SCHEMAS["nested"],
+                                                   size=3000, n_regular=2900, n_lookups=2000)
+    printed = capsys.readouterr().out
+    assert all(line in printed for line in ("compile schema", "first computation", "seen before"))
+    assert 0 < hit_s < first_s and compile_s > 0
+
+# ----------------------------------------------------------------- structured output in the engine
+
+@pytest.fixture(scope="module")
+def qwen_dir(q7, qwen_hf, tmp_path_factory):
+    """A tiny random Qwen3 with the Qwen-like tokenizer, Qwen3's chat template and eos ids, in one
+    Hugging Face directory. Its 1,280 rows exceed the tokenizer's 1,213 ids, as Qwen3's 151,936
+    exceed its 151,669: random weights emit the ids past the tokenizer's all the time."""
+    torch.manual_seed(0)
+    model = q7.Qwen3(q7.Qwen3Config(
+        vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=False))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.5)  # logits of a few units
+    folder = q7.save_qwen3(model, tmp_path_factory.mktemp("qwen_dir"))
+    eos = [qwen_hf.token_to_id("<|im_end|>"), qwen_hf.token_to_id("<|endoftext|>")]
+    return save_tokenizer(qwen_hf, folder, {"eos_token": "<|im_end|>",
+                                            "chat_template": QWEN3_CHAT_TEMPLATE},
+                          generation_config={"eos_token_id": eos})
+
+
+@pytest.fixture(scope="module")
+def chat_llm(q7, qwen_dir):
+    return q7.LLM(qwen_dir, device="cpu", max_model_len=256)
+
+
+def test_llm_reads_the_tokenizer_with_the_weights(q7, chat_llm, qwen_hf, chat_pair):
+    """LLM(directory) loads its tokenizer: text prompts, the chat format's ids, eos ids from the
+    tokenizer's files, and text that leaves out special tokens, as tokenizers' decode does."""
+    eos = {qwen_hf.token_to_id("<|im_end|>"), qwen_hf.token_to_id("<|endoftext|>")}
+    assert chat_llm.engine.eos_token_ids == eos
+    messages = [SYSTEM, user("Hi")]
+    prompt = chat_llm.tokenizer.apply_chat_template(messages)
+    out = chat_llm.generate(prompt, q7.SamplingParams(max_tokens=30, seed=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == chat_pair[0].apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False)
+    assert max(out.token_ids) >= qwen_hf.get_vocab_size()  # ids past the tokenizer: no text
+    assert out.text == qwen_hf.decode(out.token_ids, skip_special_tokens=True)
+
+
+STRUCTURED = [("regex", r"\d{3}-\d{4}"), ("regex", r"(ab|cd)*e?[xyz]{1,3}"),
+              ("regex", r"[^\x00-\x1f]{2,5}é"), ("choice", ["yes", "no", "maybe", "né", "😀"]),
+              ("json_schema", KEYWORD_SCHEMAS["nested"]), ("json_schema", GENERATION_SCHEMAS[2]),
+              ("json_schema", {"type": "object", "required": ["name", "tags"], "properties": {
+                  "name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
+                  "tags": {"type": "array", "items": {"enum": ["a", "é", None]}, "maxItems": 3}}})]
+
+
+def is_valid(kind, spec, text):
+    """By Python's re and json and the validator above, which know nothing of the automaton."""
+    if kind == "regex":
+        return re.fullmatch(spec, text, re.ASCII) is not None
+    if kind == "choice":
+        return text in spec
+    try:
+        return validate(json.loads(text), spec, strict=True)
+    except ValueError:
+        return False
+
+
+def test_structured_generation_is_always_valid(q7, chat_llm, qwen_hf):
+    """Through the whole engine, random weights sampled at temperature 1: each constraint with
+    four seeds (one of them with ignore_eos), batched with free rows. Every text is valid, every
+    constrained request stops by itself ("stop": its automaton finished, or eos where the text
+    was complete), and the text is tokenizers' decode of the ids before the eos."""
+    P = q7.SamplingParams
+    cases = [(kind, spec, seed) for kind, spec in STRUCTURED for seed in range(4)]
+    params = [P(seed=seed, max_tokens=120, ignore_eos=seed == 3, **{kind: spec})
+              for kind, spec, seed in cases] + [P(seed=1, max_tokens=12)] * 2
+    outputs = chat_llm.generate(["The answer:"] * len(params), params)
+    assert chat_llm.grammars.trie.V == 1280  # masks as wide as the model's rows
+    eos, ended_by_eos = chat_llm.engine.eos_token_ids, 0
+    for (kind, spec, seed), out in zip(cases, outputs):
+        assert out.finish_reason == "stop" and is_valid(kind, spec, out.text), (kind, spec, out)
+        ids = out.token_ids[:-1] if out.token_ids[-1] in eos else out.token_ids
+        ended_by_eos += len(ids) < len(out.token_ids)
+        assert out.text == qwen_hf.decode(ids, skip_special_tokens=True)
+        assert not set(ids) & (eos | {qwen_hf.token_to_id(t) for t in QWEN_SPECIAL})
+    assert 0 < ended_by_eos < len(cases)
+    assert [out.finish_reason for out in outputs[-2:]] == ["length"] * 2  # the free rows
+
+
+def test_a_constraint_with_nothing_to_generate_is_an_error(q7, chat_llm, monkeypatch):
+    monkeypatch.setattr(chat_llm.engine.runner, "run", lambda *a: pytest.fail("the engine ran"))
+    with pytest.raises(ValueError, match="allows only the empty text: there is nothing to"):
+        chat_llm.generate(["x", "y"], [q7.SamplingParams(), q7.SamplingParams(choice=[""])])
+
+
+# ------------------------------------------------------------------------------ bad inputs
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_tokens", 0, "must be a positive int"), ("max_tokens", 2.0, "must be a positive int"),
+    ("temperature", -0.1, "must be a finite number >= 0"), ("temperature", float("inf"), ">= 0"),
+    ("temperature", "1", ">= 0"), ("top_k", -1, "must be an int >= 0"), ("top_k", 1.5, "int >= 0"),
+    ("top_p", 0.0, r"must be in \(0, 1\]"), ("top_p", 1.01, r"\(0, 1\]"),
+    ("min_p", -0.01, r"must be in \[0, 1\]"), ("min_p", 1.5, r"\[0, 1\]"),
+    ("repetition_penalty", 0.0, "must be a finite number > 0"),
+    ("presence_penalty", 2.5, r"must be in \[-2, 2\]"), ("frequency_penalty", -3, r"\[-2, 2\]"),
+    ("seed", -1, r"must be an int in \[0, 2\*\*64\) or None"), ("seed", True, "an int"),
+    ("stop_token_ids", "12", "must be a list of token ids"), ("stop_token_ids", [1, -2], "token ids"),
+    ("ignore_eos", 1, "must be True or False"), ("logprobs", -1, "must be None or an int >= 0"),
+    ("regex", 3, "regex must be a string"), ("choice", [], "must be a non-empty list of strings"),
+    ("choice", ["a", 1], "list of strings"), ("json_schema", [1], "must be a JSON object"),
+    ("json_schema", "{not json", "is not valid JSON"), ("json_schema", "[1]", "a JSON object"),
+    ("regex", "^a", "anchor '\\^' is not supported"), ("regex", "(a", "missing '\\)'"),
+    ("json_schema", {"type": "integer", "minimum": 0}, "keyword 'minimum' is not supported"),
+    ("choice", ["\ud800"], "lone surrogate"),
+])
+def test_bad_sampling_params_name_the_field(q7, field, value, message):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} = .*: .*{message}"):
+        q7.SamplingParams(**{field: value})
+
+
+def test_sampling_params_normalize_and_exclude(q7):
+    p = q7.SamplingParams(stop_token_ids=[3, 4], choice=["yes", "no"])
+    assert p.stop_token_ids == (3, 4) and p.choice == ("yes", "no")
+    with pytest.raises(ValueError, match="regex and choice exclude each other"):
+        q7.SamplingParams(regex="a+", choice=["a"])
+    with pytest.raises(AttributeError):
+        p.temperature = -1.0  # frozen: a checked value stays checked
+
+
+def bad_generate_calls(q7):
+    P = q7.SamplingParams
+    return [  # (prompts, sampling_params, error, message)
+        (list(range(41)), None, ValueError, "prompt 0 is 41 tokens, longer than max_model_len 40"),
+        ([[1, 2], list(range(40))], None, ValueError, "prompt 1 is 40 tokens, all of max_model_len 40"),
+        ([[1], list(range(30))], P(max_tokens=11), ValueError,
+         "prompt 1: 30 prompt tokens \\+ max_tokens 11 = 41, beyond max_model_len 40"),
+        ([], None, ValueError, "non-empty list"),
+        ([[1], []], None, ValueError, "prompt 1 is empty"),
+        ([[1, 131]], None, ValueError, r"prompt 0 holds token id 131, outside the model's vocabulary \[0, 131\)"),
+        ([[-1]], None, ValueError, "token id -1"),
+        (["hello"], None, ValueError, "prompt 0 is text, but this LLM has no tokenizer"),
+        ([[1], [2.5]], None, ValueError, "prompt 1 must be a string or a list of token ids"),
+        ([[1], [2], [3]], [P(), P()], ValueError, "2 SamplingParams for 3 prompts"),
+        ([[1]], {"temperature": 0}, TypeError, "sampling_params must be a SamplingParams"),
+        ([[1]], P(stop_token_ids=[131]), ValueError, "stop_token_ids of prompt 0 holds 131"),
+        ([[1]], P(logprobs=132), ValueError, "asks for 132 top logprobs, more than the vocabulary's 131"),
+        ([[1], [2]], [P(), P(regex="[ab]+")], ValueError,
+         "prompt 1 asks for structured output, which needs a tokenizer"),
+    ]
+
+
+def test_bad_generate_calls_fail_before_any_work(q7, llm, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the engine ran before the bad input was reported")
+
+    monkeypatch.setattr(llm.engine.runner, "run", no_work)
+    for prompts, params, error, message in bad_generate_calls(q7):
+        with pytest.raises(error, match=message):
+            llm.generate(prompts, params)
+
+
+def test_bad_llm_arguments(q7, hf_dir):
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    with pytest.raises(ValueError, match="max_model_len = 65 must be an int from 2 to the model's "
+                                         "max_position_embeddings, 64"):
+        q7.LLM(model, max_model_len=65)
+    with pytest.raises(ValueError, match="max_batch_size = 0 must be a positive int"):
+        q7.LLM(model, max_batch_size=0)
+    with pytest.raises(ValueError, match="a built Qwen3 is used as it is"):
+        q7.LLM(model, device="cpu")
+    with pytest.raises(TypeError, match="model must be a directory, a Hub id or a Qwen3"):
+        q7.LLM(3)
+    with pytest.raises(TypeError, match="tokenizer must be a Tokenizer \\(see load_tokenizer\\), not T"):
+        q7.LLM(model, tokenizer=type("T", (), {"encode": None})())
+    with pytest.raises(ValueError, match="dtype torch.int8 is not supported"):
+        q7.LLM(hf_dir[1], device="cpu", dtype=torch.int8)
+
+
+# ----------------------------------------------------------------------------------- main()
+
+def run_main(q7, capsys, *argv):
+    q7.main(list(argv))
+    return capsys.readouterr().out
+
+
+def test_main_on_a_tiny_random_model(q7, capsys):
+    out = run_main(q7, capsys, "--device", "cpu", "--max-tokens", "5", "--batch-size", "3")
+    assert "V=8,256" in out and "tokenizer: GPT-2's first tokens and Qwen3's chat tokens, 8,197 " \
+                                "ids, eos ids [8192, 8194], chat template: yes" in out
+    diff = re.search(r"vs full recomputation: greedy tokens identical, logprobs max abs diff (\S+)", out)
+    assert diff and float(diff[1]) < 1e-4, out
+    if HAS_CUDA:  # --device cpu without the interpreter: the kernels cannot run there
+        assert "(Triton kernels not checked: that needs a GPU" in out
+    else:
+        err = re.search(r"Triton kernels \(Triton's interpreter\) vs the torch path: rel err (\S+)", out)
+        assert err and float(err[1]) < 1e-5, out
+    assert "greedy, 3 prompts in one batch (identical to one by one)" in out
+    assert "the first drawn alone: identical" in out
+    lines = re.findall(r"^  ('Every effort moves you'|.*) -> .* \(length, 5 tokens\)$", out, re.MULTILINE)
+    assert len(lines) == 6 and lines.count("'Every effort moves you'") == 2, out
+    structured = re.findall(r"^  (choice|regex|json_schema) .*\n    -> .* \(stop, \d+ tokens; valid\)$",
+                            out, re.MULTILINE)
+    assert structured == ["choice", "regex", "json_schema"], out
+    speed = re.search(r"engine v1 on cpu: ([\d,]+) tokens/s \(3 sequences x 5 tokens", out)
+    assert speed and int(speed[1].replace(",", "")) > 0, out
+
+
+def test_main_with_a_model_directory(q7, qwen_dir, qwen_hf, capsys):
+    out = run_main(q7, capsys, "--model", str(qwen_dir), "--device", "cpu", "--max-tokens", "3",
+                   "--batch-size", "2", "--top-k", "5", "--chat", "--prompt", "Hi there")
+    assert f"Qwen3 from {qwen_dir}: 2 layers, C=64, 4/2 heads of 32, V=1,280" in out
+    eos = sorted(qwen_hf.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>"))
+    assert f"tokenizer: {qwen_hf.get_vocab_size():,} ids, eos ids {eos}, chat template: yes" in out
+    diff = re.search(r"greedy tokens identical, logprobs max abs diff (\S+)", out)
+    assert diff and float(diff[1]) < 1e-4, out
+    assert "(Triton kernels not checked: that needs a GPU, or on a CPU Triton's interpreter and " \
+           "the built-in tiny model)" in out
+    assert "top-k 5" in out
+    chat = r"^  '<\|im_start\|>user\\nHi there<\|im_end\|>\\n<\|im_start\|>assistant\\n' -> "
+    assert len(re.findall(chat, out, re.MULTILINE)) == 2, out  # greedy and sampled
+    assert len(re.findall(r"^    -> .* tokens; valid\)$", out, re.MULTILINE)) == 3, out
+
+
+def test_main_needs_a_tokenizer_and_a_chat_template_for_chat(q7, hf_dir, qwen_dir, tmp_path):
+    with pytest.raises(q7.DataError, match="has no tokenizer.json: this demo writes text prompts"):
+        q7.main(["--model", str(hf_dir[1]), "--device", "cpu"])
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_bytes((qwen_dir / name).read_bytes())
+    with pytest.raises(q7.DataError, match="--chat: this is a base model"):
+        q7.main(["--model", str(tmp_path), "--device", "cpu", "--chat"])
+
+
+def test_main_offline_names_gpt2s_ranks(q7, tmp_path, monkeypatch):
+    """The random model's tokenizer is written from data/gpt2.tiktoken: offline, without that
+    file, main stops before any work, naming the file, its URL and where to place it."""
+    def no_network(*args, **kwargs):
+        raise requests.ConnectionError("no route to host")
+
+    monkeypatch.setattr(q7.requests, "get", no_network)
+    for name in ("LLM", "random_checkpoint"):
+        monkeypatch.setattr(q7, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
+    with pytest.raises(q7.DataError) as err:
+        q7.main(["--device", "cpu", "--data-dir", str(tmp_path / "cache")])
+    message = str(err.value)
+    assert message.startswith("1 file(s) this run needs cannot be had")
+    assert str(tmp_path / "cache" / "gpt2.tiktoken") in message and "r50k_base.tiktoken" in message
+    assert list(tmp_path.iterdir()) == []  # no empty cache folder left behind
+
+
+def test_main_bench(q7, monkeypatch, capsys):
+    """--bench runs bench_structured on GPT-2's tokens (here on a small vocabulary: the full
+    151,936 tokens take seconds) and nothing else."""
+    monkeypatch.setattr(q7, "bench_structured", functools.partial(
+        q7.bench_structured, size=3000, n_regular=2900, n_lookups=2000))
+    monkeypatch.setattr(q7, "LLM", lambda *a, **k: pytest.fail("--bench loaded a model"))
+    out = run_main(q7, capsys, "--bench")
+    assert "structured output, 3,000-token vocabulary" in out
+    assert all(line in out for line in ("compile schema", "first computation", "seen before"))
+
+
+BAD_FLAGS = [
+    (["--model", "FILE"], "is a file; give the directory"),
+    (["--model", "/no/such/dir"], "no such directory, and not a Hub id"),
+    (["--device", "tpu9"], "--device tpu9"),
+    (["--device", "meta"], "this stage runs on cpu or cuda"),
+    (["--data-dir", "FILE"], "is a file, not a directory"),
+    (["--dtype", "int8"], "invalid choice"),
+    (["--max-tokens", "0"], "must be a positive integer"),
+    (["--batch-size", "-2"], "must be a positive integer"),
+    (["--temperature", "-1"], "must be a number >= 0"),
+    (["--top-k", "-1"], "must be an integer >= 0"),
+    (["--top-p", "0"], r"must be in \(0, 1\]"),
+    (["--min-p", "1.5"], r"must be in \[0, 1\]"),
+    (["--seed", "-3"], "must be an integer >= 0"),
+    (["--prompt", " "], "--prompt is empty"),
+    (["--bench", "--model", "/no/such/dir"], "--model does not apply to --bench"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_a_bad_flag_stops_main_before_any_work(q7, monkeypatch, capsys, tmp_path, argv, message):
+    (tmp_path / "file").write_text("x")
+    argv = [str(tmp_path / "file") if arg == "FILE" else arg for arg in argv]
+    for name in ("LLM", "random_checkpoint", "download_model", "bench_structured", "fetch"):
+        monkeypatch.setattr(q7, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
+    with pytest.raises(SystemExit) as exit_:
+        q7.main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_main_asks_for_cuda_without_a_gpu(q7, capsys):
+    with pytest.raises(SystemExit):
+        q7.main(["--device", "cuda"])
+    assert "this machine has no CUDA GPU" in capsys.readouterr().err
+
+
+def test_every_flag_has_help(q7, monkeypatch):
+    flags = []
+    original = argparse._ActionsContainer.add_argument
+
+    def record(parser, *args, **kwargs):
+        flags.append((args[0], kwargs.get("help")))
+        return original(parser, *args, **kwargs)
+
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", record)
+    with pytest.raises(SystemExit):
+        q7.main(["--help"])
+    assert len(flags) > 5 and [flag for flag, text in flags if not text and flag != "-h"] == []
+    assert sys.argv  # untouched: main took its own argv
+
+
+def test_the_script_reports_a_bad_model_in_one_line(tmp_path):
+    """Run as a script, a DataError is one line on stderr and exit status 1, not a traceback."""
+    (tmp_path / "config.json").write_text('{"vocab_size": ')
+    result = subprocess.run([sys.executable, str(ROOT / "07_engine.py"), "--model", str(tmp_path),
+                             "--device", "cpu"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {tmp_path / 'config.json'}: not a readable JSON config")
+
+
+# ------------------------------------------------------------------------------ on the GPU
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_engine_matches_transformers(q7, hf_dir):
+    """On CUDA the model runs on the Triton kernels (flash prefill, RMSNorm, SwiGLU): in fp32 its
+    logits and greedy tokens match transformers' on the CPU; in bf16, logits within bf16's
+    rounding of the fp32 ones."""
+    hf, folder = hf_dir
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32 products, whatever ran before
+    try:
+        check_on_the_gpu(q7, hf, folder)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def check_on_the_gpu(q7, hf, folder):
+    llm = q7.LLM(folder, device="cuda", dtype=torch.float32, max_model_len=40)
+    assert llm.model.model.norm.kernels and llm.model.model.layers[0].self_attn.kernels
+    ids = torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    expected = hf(ids).logits
+    assert (llm.model(ids.cuda()).cpu() - expected).abs().max().item() < 1e-3
+    outputs = llm.generate(PROMPTS, q7.SamplingParams(temperature=0, max_tokens=10))
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = torch.tensor([prompt])
+        reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                                do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == reference
+    bf16 = q7.load_qwen3(folder, device="cuda", dtype=torch.bfloat16)
+    logits = bf16(torch.tensor([PROMPTS[2] + PROMPTS[0]], device="cuda")).float().cpu()
+    assert ((logits - expected).norm() / expected.norm()).item() < 3e-2
