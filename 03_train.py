@@ -10,15 +10,22 @@ What this stage teaches
     9. Real weights: `load_gpt2(path_or_size)` maps GPT-2's Hugging Face checkpoint onto our GPT
        (a local directory with config.json + model.safetensors, or a size it downloads).
 
-New since stage 02: sections 7-9 and a `main()` that trains. Dropped: the from-scratch
-BPETokenizer (tiktoken's GPT-2 encoding takes over) and the attention warm-ups of chapter 5
-(the GPT keeps MultiHeadAttention).
+New since stage 02: sections 7-9 and a `main()` that trains; `--bench`, which times training
+steps of the GPT against `plain_twin`, the same weights on torch's fused ops (nanoGPT's model).
+Changed: `GPTConfig.vocab_multiple` pads wte and lm_head, and the training presets pad GPT-2's
+50,257 ids to 50,304 (generation never picks a padding id; loaded GPT-2 stays unpadded);
+`GPT.forward` checks token ids with `check_token_ids` only where that costs no host sync (ids on
+the CPU, or outside training), and `train` checks each batch while it is still on the CPU.
+Dropped: the from-scratch BPETokenizer (tiktoken's GPT-2 encoding takes over) and the attention
+warm-ups of chapter 5 (the GPT keeps MultiHeadAttention).
 
 Run
     python 03_train.py                          # tiny GPT on The Verdict, ~2 min on a 2-core CPU
     python 03_train.py --model 124M --epochs 10 # the book's run (GPT-2 124M shape, context 256)
     python 03_train.py --gpt2 124M --prompt "Every effort moves you"   # real weights
-    python 03_train.py --bench                  # training throughput (124M, T=1024 on a GPU)
+    python 03_train.py --bench                  # training tokens/s (124M, T=1024 on a GPU),
+                                                # the GPT against the plain model, each eager
+                                                # and compiled
 
 Training prints the train and validation loss as they fall, tokens/s (and MFU on a GPU), then
 a sample from the trained model.
@@ -175,9 +182,12 @@ class GPTConfig:
     n_layer: int = 12
     dropout: float = 0.0
     bias: bool = True           # biases in the Linear layers (GPT-2 has them)
+    # NEW in stage 03: a padded vocabulary (build_config says why; loaded GPT-2 keeps 1)
+    vocab_multiple: int = 1     # wte and lm_head get vocab_size rounded up to a multiple of this
 
     def __post_init__(self):
-        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer"):
+        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer",
+                     "vocab_multiple"):  # changed in 03
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got "
                                  f"{getattr(self, name)!r}")
@@ -185,6 +195,9 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        # NEW in stage 03: padded_vocab_size
+        # the rows of wte and lm_head: vocab_size rounded up; ids from vocab_size on are padding
+        self.padded_vocab_size = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @classmethod
     def gpt2(cls, size="124M", **overrides):
@@ -244,16 +257,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def check_token_ids(ids, vocab_size):
+    """Raise a ValueError naming the range if any id lies outside [0, vocab_size). On a GPU this
+    reads min and max back to the host, a sync that would stall every training step: GPT.forward
+    checks GPU ids only outside training, and train() checks each batch while it is on the CPU."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got "
+                         f"[{ids.min().item()}, {ids.max().item()}]")
+
+
 class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)      # token embeddings
+        # changed in 03: wte and lm_head have padded_vocab_size rows
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)  # token embeddings
         self.wpe = nn.Embedding(cfg.context_length, cfg.n_embd)  # learned absolute positions
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2: one (V, C) matrix
         self.apply(self._init_weights)
         # GPT-2 scales the init of the projections that write into the residual stream by
@@ -281,14 +304,14 @@ class GPT(nn.Module):
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} exceeds the context length "
                              f"{self.cfg.context_length}")
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"[{idx.min().item()}, {idx.max().item()}]")
+        # changed in 03: the range is checked only where that costs no host sync (check_token_ids)
+        if idx.device.type == "cpu" or not self.training:
+            check_token_ids(idx, self.cfg.vocab_size)
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))             # (B, T, V)
+        return self.lm_head(self.ln_f(x))             # (B, T, padded V)
 
 
 @torch.no_grad()
@@ -296,7 +319,8 @@ def generate_greedy(model, idx, max_new_tokens):
     """Append the most likely next token max_new_tokens times. idx (B, T) -> (B, T + new)."""
     for _ in range(max_new_tokens):
         logits = model(idx[:, -model.cfg.context_length:])  # crop to what the model can see
-        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
+        # changed in 03: the argmax over the real vocabulary, never a padding id
+        next_id = logits[:, -1, :model.cfg.vocab_size].argmax(dim=-1, keepdim=True)  # (B, 1)
         idx = torch.cat([idx, next_id], dim=1)
     return idx
 
@@ -307,7 +331,8 @@ def generate_greedy(model, idx, max_new_tokens):
 
 def loss_fn(logits, targets):
     """Mean next-token cross-entropy. logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # no .float(): CUDA autocast already runs log_softmax in fp32 (a copy torch.compile fuses away)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def autocast(device):
@@ -402,6 +427,8 @@ def train(model, train_loader, val_loader, tcfg, device, log=print):
     model.train()
     for epoch in range(tcfg.epochs):
         for x, y in train_loader:
+            for ids in (x, y):  # still on the CPU: no host sync (see check_token_ids)
+                check_token_ids(ids, model.cfg.vocab_size)
             lr = lr_at(step, tcfg.lr, tcfg.warmup_steps, total_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -467,7 +494,8 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.context_length:])[:, -1, :].float()  # (B, V)
+        logits = model(idx[:, -model.cfg.context_length:])[:, -1]  # (B, padded V)
+        logits = logits[:, :model.cfg.vocab_size].float()  # (B, V): never a padding id
         if temperature == 0.0:
             next_id = logits.argmax(dim=-1, keepdim=True)                      # (B, 1)
         else:
@@ -816,14 +844,53 @@ TRAIN_PRESETS = {
 
 
 def build_config(preset, context_length, dropout):
+    """The GPTConfig of a training preset, its vocabulary padded to a multiple of 64."""
+    # GPT-2's 50,257 is odd, so lm_head's bf16 rows are not 16-byte aligned and cuBLAS falls back
+    # to slow align1 kernels; padded to 50,304 (nanoGPT's choice) they fill whole tensor-core tiles.
     if preset == "tiny":
-        return GPTConfig(context_length=context_length, dropout=dropout,
+        return GPTConfig(context_length=context_length, dropout=dropout, vocab_multiple=64,
                          **TRAIN_PRESETS["tiny"]["model"])
-    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout)
+    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout,
+                          vocab_multiple=64)
+
+
+# The baseline of --bench: nanoGPT's GPT-2, which is this GPT on torch's fused ops (F.layer_norm,
+# F.gelu(approximate="tanh"), scaled_dot_product_attention) with its loss compiled together with
+# the model. The twins below are swapped in by class (the way stages 04-06 swap in their kernels)
+# rather than written out as a second model: parameters, names, init and weight tying stay the
+# GPT's, so from one seed both start from the same weights and two rows differ only in their ops.
+
+class TorchLayerNorm(LayerNorm):
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class TorchGELU(GELU):
+    def forward(self, x):
+        return F.gelu(x, approximate="tanh")
+
+
+class SDPAAttention(MultiHeadAttention):
+    def attend(self, q, k, v):
+        """attend on torch's fused scaled_dot_product_attention: the baseline."""
+        p = self.attn_dropout.p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+def plain_twin(model):
+    """Switch every LayerNorm, GELU and attention of the GPT to its torch twin, in place."""
+    twins = {LayerNorm: TorchLayerNorm, GELU: TorchGELU, MultiHeadAttention: SDPAAttention}
+    for module in model.modules():
+        twin = twins.get(type(module))
+        if twin is not None:
+            module.__class__ = twin
+    return model
 
 
 def bench(args, device):
-    """Training throughput on random tokens: eager and torch.compile, same model and batch."""
+    """Training throughput on random tokens: the plain model (plain_twin) eager and compiled with
+    its loss, then this stage's GPT eager and compiled. Every row starts from the same weights and
+    runs the same batch, steps and AdamW; each is also given as a fraction of plain compiled."""
     T = args.context_length or (1024 if device.type == "cuda" else 128)
     B = args.batch_size or (16 if device.type == "cuda" else 4)
     preset = args.model or ("124M" if device.type == "cuda" else "tiny")
@@ -831,17 +898,25 @@ def bench(args, device):
     peak = peak_flops(device)
     print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
           f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
-    rows = []
-    for compiled in (False, True):
+    rows = {}
+    for mode in ("plain eager", "plain compiled", "GPT eager", "GPT compiled"):
         torch.manual_seed(args.seed)
         model = GPT(build_config(preset, T, 0.0)).to(device)
-        step_model = torch.compile(model) if compiled else model
+        if mode.startswith("plain"):
+            plain_twin(model)
+        step_model = torch.compile(model) if mode == "GPT compiled" else model
         opt = make_optimizer(model, 1e-4, 0.1, device)
         x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), device=device)
 
+        def model_loss(batch):
+            return loss_fn(step_model(batch[:, :-1]), batch[:, 1:])
+
+        if mode == "plain compiled":  # the model and its loss in one compiled function
+            model_loss = torch.compile(model_loss)
+
         def one_step():
             with autocast(device):
-                loss = loss_fn(step_model(x[:, :-1]), x[:, 1:])
+                loss = model_loss(x)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -858,11 +933,13 @@ def bench(args, device):
         sync()
         tok_s = B * T * steps / (time.perf_counter() - t0)
         mfu = flops_per_token(model, T) * tok_s / peak if peak else None
-        rows.append(("torch.compile" if compiled else "eager", tok_s, mfu, loss.item()))
-        del model, step_model, opt
-    print(f"{'mode':<14}{'tokens/s':>12}{'MFU':>8}{'loss':>8}")
-    for mode, tok_s, mfu, loss in rows:
-        print(f"{mode:<14}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
+        rows[mode] = (tok_s, mfu, loss.item())
+        del model, step_model, opt, model_loss
+    base = rows["plain compiled"][0]
+    print(f"{'mode':<16}{'tokens/s':>12}{'MFU':>8}{'loss':>8}{'vs plain compiled':>19}")
+    for mode, (tok_s, mfu, loss) in rows.items():
+        print(f"{mode:<16}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}"
+              f"{tok_s / base:>18.2f}x")
 
 
 def positive_int(text):

@@ -16,8 +16,9 @@ What this stage teaches
 
 New since stage 03: chapters 10-13 and the `main()` below. Changed: `--bench` prints the kernel
 table; with no flags the script runs the kernel chapter instead of training (`--train` trains as
-stage 03 did). Dropped: stage 03's training-throughput bench and the flags only it and a
-tuned training run used (`--bench-steps`, `--compile`, `--eval-every`); they stay in 03.
+stage 03 did). Dropped: stage 03's training-throughput bench with its baseline (`plain_twin`
+and its twins) and the flags only it and a tuned training run used (`--bench-steps`,
+`--compile`, `--eval-every`); they stay in 03.
 
 Run
     python 04_cuda_kernels.py                 # kernels vs torch in float64, GPT on the kernels
@@ -181,9 +182,11 @@ class GPTConfig:
     n_layer: int = 12
     dropout: float = 0.0
     bias: bool = True           # biases in the Linear layers (GPT-2 has them)
+    vocab_multiple: int = 1     # wte and lm_head get vocab_size rounded up to a multiple of this
 
     def __post_init__(self):
-        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer"):
+        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer",
+                     "vocab_multiple"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got "
                                  f"{getattr(self, name)!r}")
@@ -191,6 +194,8 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        # the rows of wte and lm_head: vocab_size rounded up; ids from vocab_size on are padding
+        self.padded_vocab_size = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @classmethod
     def gpt2(cls, size="124M", **overrides):
@@ -250,16 +255,25 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def check_token_ids(ids, vocab_size):
+    """Raise a ValueError naming the range if any id lies outside [0, vocab_size). On a GPU this
+    reads min and max back to the host, a sync that would stall every training step: GPT.forward
+    checks GPU ids only outside training, and train() checks each batch while it is on the CPU."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got "
+                         f"[{ids.min().item()}, {ids.max().item()}]")
+
+
 class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)      # token embeddings
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)  # token embeddings
         self.wpe = nn.Embedding(cfg.context_length, cfg.n_embd)  # learned absolute positions
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2: one (V, C) matrix
         self.apply(self._init_weights)
         # GPT-2 scales the init of the projections that write into the residual stream by
@@ -287,14 +301,13 @@ class GPT(nn.Module):
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} exceeds the context length "
                              f"{self.cfg.context_length}")
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"[{idx.min().item()}, {idx.max().item()}]")
+        if idx.device.type == "cpu" or not self.training:
+            check_token_ids(idx, self.cfg.vocab_size)
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))             # (B, T, V)
+        return self.lm_head(self.ln_f(x))             # (B, T, padded V)
 
 
 @torch.no_grad()
@@ -302,7 +315,7 @@ def generate_greedy(model, idx, max_new_tokens):
     """Append the most likely next token max_new_tokens times. idx (B, T) -> (B, T + new)."""
     for _ in range(max_new_tokens):
         logits = model(idx[:, -model.cfg.context_length:])  # crop to what the model can see
-        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
+        next_id = logits[:, -1, :model.cfg.vocab_size].argmax(dim=-1, keepdim=True)  # (B, 1)
         idx = torch.cat([idx, next_id], dim=1)
     return idx
 
@@ -313,7 +326,8 @@ def generate_greedy(model, idx, max_new_tokens):
 
 def loss_fn(logits, targets):
     """Mean next-token cross-entropy. logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # no .float(): CUDA autocast already runs log_softmax in fp32 (a copy torch.compile fuses away)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def autocast(device):
@@ -408,6 +422,8 @@ def train(model, train_loader, val_loader, tcfg, device, log=print):
     model.train()
     for epoch in range(tcfg.epochs):
         for x, y in train_loader:
+            for ids in (x, y):  # still on the CPU: no host sync (see check_token_ids)
+                check_token_ids(ids, model.cfg.vocab_size)
             lr = lr_at(step, tcfg.lr, tcfg.warmup_steps, total_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -473,7 +489,8 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.context_length:])[:, -1, :].float()  # (B, V)
+        logits = model(idx[:, -model.cfg.context_length:])[:, -1]  # (B, padded V)
+        logits = logits[:, :model.cfg.vocab_size].float()  # (B, V): never a padding id
         if temperature == 0.0:
             next_id = logits.argmax(dim=-1, keepdim=True)                      # (B, 1)
         else:
@@ -2740,10 +2757,14 @@ TRAIN_PRESETS = {
 
 
 def build_config(preset, context_length, dropout):
+    """The GPTConfig of a training preset, its vocabulary padded to a multiple of 64."""
+    # GPT-2's 50,257 is odd, so lm_head's bf16 rows are not 16-byte aligned and cuBLAS falls back
+    # to slow align1 kernels; padded to 50,304 (nanoGPT's choice) they fill whole tensor-core tiles.
     if preset == "tiny":
-        return GPTConfig(context_length=context_length, dropout=dropout,
+        return GPTConfig(context_length=context_length, dropout=dropout, vocab_multiple=64,
                          **TRAIN_PRESETS["tiny"]["model"])
-    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout)
+    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout,
+                          vocab_multiple=64)
 
 
 def positive_int(text):

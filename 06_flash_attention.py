@@ -10,18 +10,19 @@ What this stage teaches
         FlashAttention-2 backward (dq, dk, dv) behind a torch.autograd.Function.
     The GPT trains and generates with it (`--attention flash`, the default).
 
-New since stage 05: chapter 15, `--attention`, the twins `FlashAttention` and `SDPAAttention`
-with `use_attention` / `use_flash_attention`, and `attention_chapter`, which the default run
-prints after stage 05's kernel check: the online
-softmax of one row block by block, the naive, tiled and flash attentions' errors against a
-float64 reference, and the bytes of the score matrix against what the flash forward keeps;
-`cuda_graph_step`, which captures a whole training step (forward, backward, clipping, AdamW) in
-a CUDA graph and replays it, taking Python's launch cost out of the loop.
-Changed: `GPT.forward` and `cross_entropy` skip their token-range checks while a CUDA graph is
-captured (a check reads a value back from the GPU, which a capture cannot do); `make_optimizer`
-takes `capturable` for the same graph; `--bench` prints the attention table (forward and
-backward TFLOP/s against torch's SDPA and the naive version, peak memory), then GPT-2 124M
-training throughput on the stage's kernels against torch eager and torch.compile with SDPA;
+New since stage 05: chapter 15, `--attention`, the twin `FlashAttention` with `use_attention` /
+`use_flash_attention`, and `attention_chapter`, which the default run prints after stage 05's
+kernel check: the online softmax of one row block by block, the naive, tiled and flash
+attentions' errors against a float64 reference, and the bytes of the score matrix against what
+the flash forward keeps; `cuda_graph_step`, which captures a whole training step (forward,
+backward, clipping, AdamW) in a CUDA graph and replays it, taking Python's launch cost out of
+the loop.
+Changed: `cross_entropy` skips its token-range check while a CUDA graph is captured (the check
+reads a value back from the GPU, which a capture cannot do; GPT.forward makes none in training
+on a GPU); `make_optimizer` takes `capturable` for the same graph; `--bench` prints the
+attention table (forward and backward TFLOP/s against torch's SDPA and the naive version, peak
+memory), then GPT-2 124M training throughput on the stage's kernels, launched and as a CUDA
+graph, against stage 03's plain model, eager and compiled (stage 05's GPT rows are left to 05);
 stage 05's kernel table is `--bench-kernels`.
 
 Run
@@ -194,9 +195,11 @@ class GPTConfig:
     n_layer: int = 12
     dropout: float = 0.0
     bias: bool = True           # biases in the Linear layers (GPT-2 has them)
+    vocab_multiple: int = 1     # wte and lm_head get vocab_size rounded up to a multiple of this
 
     def __post_init__(self):
-        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer"):
+        for name in ("vocab_size", "context_length", "n_embd", "n_head", "n_layer",
+                     "vocab_multiple"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got "
                                  f"{getattr(self, name)!r}")
@@ -204,6 +207,8 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        # the rows of wte and lm_head: vocab_size rounded up; ids from vocab_size on are padding
+        self.padded_vocab_size = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @classmethod
     def gpt2(cls, size="124M", **overrides):
@@ -263,16 +268,25 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def check_token_ids(ids, vocab_size):
+    """Raise a ValueError naming the range if any id lies outside [0, vocab_size). On a GPU this
+    reads min and max back to the host, a sync that would stall every training step: GPT.forward
+    checks GPU ids only outside training, and train() checks each batch while it is on the CPU."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got "
+                         f"[{ids.min().item()}, {ids.max().item()}]")
+
+
 class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)      # token embeddings
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)  # token embeddings
         self.wpe = nn.Embedding(cfg.context_length, cfg.n_embd)  # learned absolute positions
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2: one (V, C) matrix
         self.apply(self._init_weights)
         # GPT-2 scales the init of the projections that write into the residual stream by
@@ -300,17 +314,13 @@ class GPT(nn.Module):
         if T > self.cfg.context_length:
             raise ValueError(f"sequence length {T} exceeds the context length "
                              f"{self.cfg.context_length}")
-        # changed in 06: the range check reads back from the GPU, which a CUDA graph capture
-        # cannot do, so it is skipped while one is captured (cuda_graph_step)
-        capturing = idx.is_cuda and torch.cuda.is_current_stream_capturing()
-        if idx.numel() and not capturing and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"[{idx.min().item()}, {idx.max().item()}]")
+        if idx.device.type == "cpu" or not self.training:
+            check_token_ids(idx, self.cfg.vocab_size)
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))             # (B, T, V)
+        return self.lm_head(self.ln_f(x))             # (B, T, padded V)
 
 
 @torch.no_grad()
@@ -318,7 +328,7 @@ def generate_greedy(model, idx, max_new_tokens):
     """Append the most likely next token max_new_tokens times. idx (B, T) -> (B, T + new)."""
     for _ in range(max_new_tokens):
         logits = model(idx[:, -model.cfg.context_length:])  # crop to what the model can see
-        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
+        next_id = logits[:, -1, :model.cfg.vocab_size].argmax(dim=-1, keepdim=True)  # (B, 1)
         idx = torch.cat([idx, next_id], dim=1)
     return idx
 
@@ -329,7 +339,8 @@ def generate_greedy(model, idx, max_new_tokens):
 
 def loss_fn(logits, targets):
     """Mean next-token cross-entropy. logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # no .float(): CUDA autocast already runs log_softmax in fp32 (a copy torch.compile fuses away)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def autocast(device):
@@ -425,6 +436,8 @@ def train(model, train_loader, val_loader, tcfg, device, log=print, loss=loss_fn
     model.train()
     for epoch in range(tcfg.epochs):
         for x, y in train_loader:
+            for ids in (x, y):  # still on the CPU: no host sync (see check_token_ids)
+                check_token_ids(ids, model.cfg.vocab_size)
             lr = lr_at(step, tcfg.lr, tcfg.warmup_steps, total_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -490,7 +503,8 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, top_p=None
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.context_length:])[:, -1, :].float()  # (B, V)
+        logits = model(idx[:, -model.cfg.context_length:])[:, -1]  # (B, padded V)
+        logits = logits[:, :model.cfg.vocab_size].float()  # (B, V): never a padding id
         if temperature == 0.0:
             next_id = logits.argmax(dim=-1, keepdim=True)                      # (B, 1)
         else:
@@ -2632,8 +2646,9 @@ def flash_attention(q, k, v, causal=True, sm_scale=None):
     return _flash_attention(q, k, v, causal, sm_scale)[0]
 
 
-# The GPT on the kernel (main's --attention flash): two more twins of MultiHeadAttention, swapped
-# in by class as stage 05's use_triton_kernels does, so the model's text stays as it was.
+# The GPT on the kernel (main's --attention flash): one more twin of MultiHeadAttention, swapped
+# in by class as stage 05's use_triton_kernels does, so the model's text stays as it was. (The
+# baseline's twin, SDPAAttention on torch's fused attention, is with --bench's plain_twin.)
 class FlashAttention(MultiHeadAttention):
     def attend(self, q, k, v):
         """attend on the flash kernel: q, k, v (B, H, T, D) -> (B, H, T, D). The kernel never
@@ -2642,13 +2657,6 @@ class FlashAttention(MultiHeadAttention):
             raise ValueError("FlashAttention: the flash kernel has no attention dropout; "
                              "set dropout=0.0 or call model.eval()")
         return flash_attention(q, k, v, causal=True)
-
-
-class SDPAAttention(MultiHeadAttention):
-    def attend(self, q, k, v):
-        """attend on torch's fused scaled_dot_product_attention: the baseline."""
-        p = self.attn_dropout.p if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 def use_attention(model, twin):
@@ -3095,10 +3103,47 @@ TRAIN_PRESETS = {
 
 
 def build_config(preset, context_length, dropout):
+    """The GPTConfig of a training preset, its vocabulary padded to a multiple of 64."""
+    # GPT-2's 50,257 is odd, so lm_head's bf16 rows are not 16-byte aligned and cuBLAS falls back
+    # to slow align1 kernels; padded to 50,304 (nanoGPT's choice) they fill whole tensor-core tiles.
     if preset == "tiny":
-        return GPTConfig(context_length=context_length, dropout=dropout,
+        return GPTConfig(context_length=context_length, dropout=dropout, vocab_multiple=64,
                          **TRAIN_PRESETS["tiny"]["model"])
-    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout)
+    return GPTConfig.gpt2(preset, context_length=context_length, dropout=dropout,
+                          vocab_multiple=64)
+
+
+# The baseline of --bench: nanoGPT's GPT-2, which is this GPT on torch's fused ops (F.layer_norm,
+# F.gelu(approximate="tanh"), scaled_dot_product_attention) with its loss compiled together with
+# the model. The twins below are swapped in by class (the way stages 04-06 swap in their kernels)
+# rather than written out as a second model: parameters, names, init and weight tying stay the
+# GPT's, so from one seed both start from the same weights and two rows differ only in their ops.
+
+class TorchLayerNorm(LayerNorm):
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class TorchGELU(GELU):
+    def forward(self, x):
+        return F.gelu(x, approximate="tanh")
+
+
+class SDPAAttention(MultiHeadAttention):
+    def attend(self, q, k, v):
+        """attend on torch's fused scaled_dot_product_attention: the baseline."""
+        p = self.attn_dropout.p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+def plain_twin(model):
+    """Switch every LayerNorm, GELU and attention of the GPT to its torch twin, in place."""
+    twins = {LayerNorm: TorchLayerNorm, GELU: TorchGELU, MultiHeadAttention: SDPAAttention}
+    for module in model.modules():
+        twin = twins.get(type(module))
+        if twin is not None:
+            module.__class__ = twin
+    return model
 
 
 # A training step of GPT-2 124M on these kernels launches over 900 kernels, and Python spends
@@ -3106,10 +3151,10 @@ def build_config(preset, context_length, dropout):
 # 300 us for a flash backward). At B=16, T=1,024 the host needs about 75 ms a step where the GPU
 # needs 42 (H200), so the GPU waits. A CUDA graph records the kernels of one step once,
 # with their arguments, and replays them all with one launch: no Python at all. What a replay
-# cannot do is anything that depends on the host: reading a value back (the range checks skip
-# themselves during capture), a new tensor shape, a new allocation (the graph keeps its own memory
-# pool), or a Python-side branch on data. The inputs must be the same tensors each time; to feed
-# new data, copy it into them.
+# cannot do is anything that depends on the host: reading a value back (cross_entropy's range
+# check skips itself during capture, and GPT.forward checks none in training on a GPU), a new
+# tensor shape, a new allocation (the graph keeps its own memory pool), or a Python-side branch
+# on data. The inputs must be the same tensors each time; to feed new data, copy them in.
 
 def cuda_graph_step(step, warmup=3):
     """Run step() `warmup` times (autotuning, allocations) on a side stream, as capture requires,
@@ -3133,9 +3178,10 @@ def cuda_graph_step(step, warmup=3):
 
 
 def bench(args, device):
-    """Training throughput on random tokens: torch eager and torch.compile, both with SDPA
-    attention, against the stage's kernels (Triton kernels + flash attention), launched from
-    Python and replayed as a CUDA graph (cuda_graph_step)."""
+    """Training throughput on random tokens: the plain model (plain_twin) eager and compiled with
+    its loss, then the stage's kernels (Triton kernels + flash attention), launched from Python and
+    replayed as a CUDA graph (cuda_graph_step). Every row starts from the same weights and runs the
+    same batch, steps and AdamW; each is also given as a fraction of plain compiled."""
     T = args.context_length or (1024 if device.type == "cuda" else 128)
     B = args.batch_size or (16 if device.type == "cuda" else 4)
     preset = args.model or ("124M" if device.type == "cuda" else "tiny")
@@ -3143,27 +3189,32 @@ def bench(args, device):
     peak = peak_flops(device)
     print(f"training throughput: GPT-2 {preset} shape, B={B}, T={T}, {steps} steps, "
           f"{'bf16 autocast, fused AdamW' if device.type == 'cuda' else 'fp32'} on {device}")
-    rows = []
-    modes = ["eager + SDPA", "torch.compile + SDPA", "triton + flash"]  # changed in 06
+    rows = {}
+    modes = ["plain eager", "plain compiled", "triton + flash"]  # changed in 06
     if device.type == "cuda":
         modes.append("triton + flash, graph")
     for mode in modes:
         torch.manual_seed(args.seed)
         model = GPT(build_config(preset, T, 0.0)).to(device)
-        step_model = torch.compile(model) if mode == "torch.compile + SDPA" else model
+        if mode.startswith("plain"):
+            plain_twin(model)
         ours = mode.startswith("triton")
-        step_loss = triton_loss_fn if ours else loss_fn
         if ours:
             use_flash_attention(use_triton_kernels(model))
-        else:
-            use_attention(model, SDPAAttention)
+        step_loss = triton_loss_fn if ours else loss_fn
         graphed = mode.endswith("graph")
         opt = make_optimizer(model, 1e-4, 0.1, device, capturable=graphed)
         x = torch.randint(0, model.cfg.vocab_size, (B, T + 1), device=device)
 
+        def model_loss(batch):
+            return step_loss(model(batch[:, :-1]), batch[:, 1:])
+
+        if mode == "plain compiled":  # the model and its loss in one compiled function
+            model_loss = torch.compile(model_loss)
+
         def one_step():
             with autocast(device):
-                loss = step_loss(step_model(x[:, :-1]), x[:, 1:])
+                loss = model_loss(x)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -3183,11 +3234,13 @@ def bench(args, device):
         sync()
         tok_s = B * T * steps / (time.perf_counter() - t0)
         mfu = flops_per_token(model, T) * tok_s / peak if peak else None
-        rows.append((mode, tok_s, mfu, loss.item()))
-        del model, step_model, opt
-    print(f"{'mode':<24}{'tokens/s':>12}{'MFU':>8}{'loss':>8}")
-    for mode, tok_s, mfu, loss in rows:
-        print(f"{mode:<24}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}")
+        rows[mode] = (tok_s, mfu, loss.item())
+        del model, opt, model_loss
+    base = rows["plain compiled"][0]
+    print(f"{'mode':<24}{'tokens/s':>12}{'MFU':>8}{'loss':>8}{'vs plain compiled':>19}")
+    for mode, (tok_s, mfu, loss) in rows.items():
+        print(f"{mode:<24}{tok_s:>12,.0f}{(f'{mfu:.1%}' if mfu else 'n/a'):>8}{loss:>8.3f}"
+              f"{tok_s / base:>18.2f}x")
 
 
 def positive_int(text):

@@ -9,8 +9,10 @@ generate() draws from, set membership) or statistical at 5 standard errors with 
 """
 import copy
 import dataclasses
+import functools
 import json
 import math
+import re
 import shutil
 import sys
 import types
@@ -204,11 +206,14 @@ def test_sampling_picks_only_allowed_tokens(stage, hf, model, top_k, top_p):
 
 
 class FixedLogits(torch.nn.Module):
-    """A stand-in model whose next-token logits are always `logits` (V,), whatever the input."""
+    """A stand-in model whose next-token logits are always `logits` (V,), whatever the input;
+    with vocab_size < V, the logits from vocab_size on are a padded vocabulary's."""
 
-    def __init__(self, logits, context_length=16):
+    def __init__(self, logits, context_length=16, vocab_size=None):
         super().__init__()
-        self.logits, self.cfg = logits, types.SimpleNamespace(context_length=context_length)
+        self.logits = logits
+        self.cfg = types.SimpleNamespace(context_length=context_length,
+                                         vocab_size=vocab_size or len(logits))
 
     def forward(self, idx):
         return self.logits.expand(*idx.shape, -1)
@@ -241,6 +246,21 @@ def test_sampling_distribution_is_exact(stage, monkeypatch, temperature, top_k, 
         expected[i] = math.exp(tempered[i]) / total
     assert len(drawn) == 1
     torch.testing.assert_close(drawn[0][0], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_generation_never_picks_a_padding_id(stage):
+    """A padded vocabulary's extra logits are never picked, however large: greedy (generate and
+    generate_greedy) takes the argmax of the real ids, sampling draws among them only."""
+    real = torch.randn(40, generator=torch.Generator().manual_seed(8))
+    model = FixedLogits(torch.cat([real, torch.full((24,), 100.0)]), vocab_size=40)
+    prompt = torch.zeros(3, 2, dtype=torch.long)
+    best = real.argmax().item()
+    assert (stage.generate(model, prompt, 4)[:, 2:] == best).all()
+    assert (stage.generate_greedy(model, prompt, 4)[:, 2:] == best).all()
+    for top_k, top_p in [(None, None), (50, None), (None, 0.999)]:
+        out = stage.generate(model, prompt[:1].expand(500, -1), 1, 5.0, top_k, top_p,
+                             generator=torch.Generator().manual_seed(0))
+        assert out[:, 2:].max() < 40 and len(out[:, 2:].unique()) > 10  # drawn among many
 
 
 def test_sampling_is_reproducible(stage, model):
@@ -338,13 +358,13 @@ def test_generate_rejects_negative_temperature(stage, model):
 
 # -- checkpoints --------------------------------------------------------------------------------
 
-@pytest.fixture(params=["loaded GPT-2", "dropout, no biases"])
+@pytest.fixture(params=["loaded GPT-2", "dropout, no biases, padded vocabulary"])
 def any_model(request, stage, model):
     if request.param == "loaded GPT-2":
         return model
     torch.manual_seed(0)
     cfg = stage.GPTConfig(vocab_size=53, context_length=12, n_embd=24, n_head=2, n_layer=3,
-                          dropout=0.1, bias=False)
+                          dropout=0.1, bias=False, vocab_multiple=16)  # 64 rows
     return stage.GPT(cfg).eval()
 
 
@@ -354,6 +374,7 @@ def test_checkpoint_round_trip_is_exact(stage, any_model, tmp_path):
     stage.save_checkpoint(any_model, path)
     loaded = stage.load_checkpoint(path).eval()
     assert loaded.cfg == any_model.cfg
+    assert loaded.wte.weight.shape[0] == any_model.cfg.padded_vocab_size  # 97, or 64 padded
     before, after = any_model.state_dict(), loaded.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -454,6 +475,40 @@ def test_main_trains_saves_and_samples(stage, monkeypatch, capsys, tmp_path):
     assert out.endswith(tok.decode(ids[0].tolist()) + "\n")
 
 
+def test_bench_rows_start_from_the_same_weights(stage, monkeypatch, capsys):
+    """--bench on the CPU at a tiny size, torch.compile on its aot_eager backend (the same
+    tracing, no code generation): the plain model and the GPT, eager and compiled, each row from
+    the same weights with the same batch, steps and optimizer, so their losses agree; each row's
+    tokens/s is also given as a fraction of plain compiled's."""
+    monkeypatch.setitem(stage.TRAIN_PRESETS["tiny"], "model", dict(n_layer=1, n_head=2, n_embd=16))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    first, kinds, make_optimizer = [], [], stage.make_optimizer
+
+    def recording_make_optimizer(model, *args):  # each row's model as its training starts
+        weights = [p.detach().clone() for p in model.parameters()]
+        if not first:
+            first.extend(weights)
+        assert all(torch.equal(a, b) for a, b in zip(weights, first, strict=True))
+        kinds.append({type(m).__name__ for m in model.modules()} & {"LayerNorm", "TorchLayerNorm"})
+        return make_optimizer(model, *args)
+
+    monkeypatch.setattr(stage, "make_optimizer", recording_make_optimizer)
+    monkeypatch.setattr(sys, "argv", ["03_train.py", "--bench", "--bench-steps", "2",
+                                      "--batch-size", "2", "--context-length", "16",
+                                      "--device", "cpu"])
+    stage.main()
+    out = capsys.readouterr().out
+    assert "GPT-2 tiny shape, B=2, T=16, 2 steps, fp32 on cpu" in out
+    rows = re.findall(r"^(\w+ \w+) +[\d,]+ +n/a +([\d.]+) +([\d.]+)x$", out, re.MULTILINE)
+    assert [mode for mode, _, _ in rows] == ["plain eager", "plain compiled", "GPT eager",
+                                             "GPT compiled"], out
+    assert kinds == [{"TorchLayerNorm"}] * 2 + [{"LayerNorm"}] * 2
+    assert first[0].shape == (50304, 16)  # wte, padded as in training
+    losses = [float(loss) for _, loss, _ in rows]
+    assert max(losses) - min(losses) <= 0.0015, out
+    assert rows[1][2] == "1.00"
+
+
 def test_main_rejects_bad_flags(stage, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["03_train.py", "--model", "7B"])
     with pytest.raises(SystemExit):
@@ -461,6 +516,23 @@ def test_main_rejects_bad_flags(stage, monkeypatch):
 
 
 # -- on a GPU -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_gpt_checks_ids_only_outside_training(stage):
+    """In training mode on a GPU, GPT.forward and the loss read nothing back to the host (sync
+    debug mode turns any such read into an error); in eval mode a bad id is still refused."""
+    gpt = stage.GPT(tiny_config(stage)).cuda()
+    ids = random_ids((4, 16), seed=15, vocab=31).cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with stage.autocast("cuda"):
+            loss = stage.loss_fn(gpt(ids), ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert loss.isfinite()
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 31\)"):
+        gpt.eval()(torch.full((1, 4), 31, device="cuda"))
+
 
 @pytest.mark.gpu
 def test_cuda_logits_and_bf16_training(stage, hf, hf_dir):

@@ -244,7 +244,19 @@ def test_the_script_reports_a_bad_file_in_one_line(tmp_path):
 CHAIN = ["02_gpt", "03_train", "04_cuda_kernels", "05_triton", "06_flash_attention", "07_engine"]
 # stage -> {name: tests (file::function) that check that stage's changed version}
 CHANGED = {
-    "03_train": {"main": ["test_03_train.py::test_main_trains_saves_and_samples"]},
+    "03_train": {
+        "main": ["test_03_train.py::test_main_trains_saves_and_samples"],
+        # a padded vocabulary; the range check off the training hot path on a GPU
+        "GPTConfig": ["test_carried_forward.py::test_padded_vocabulary",
+                      "test_03_train.py::test_checkpoint_round_trip_is_exact"],
+        "GPT": ["test_carried_forward.py::test_padded_vocabulary",
+                "test_carried_forward.py::test_out_of_range_ids_are_refused",
+                "test_carried_forward.py::test_each_stages_gpt_matches_transformers",
+                "test_03_train.py::test_gpu_gpt_checks_ids_only_outside_training"],
+        "generate_greedy": [
+            "test_03_train.py::test_generation_never_picks_a_padding_id",
+            "test_03_train.py::test_greedy_generate_past_the_context_matches_generate_greedy"],
+    },
     "04_cuda_kernels": {
         name: ["test_carried_forward.py::test_a_bad_flag_stops_the_run_before_any_work",
                "test_carried_forward.py::test_main_trains_saves_and_generates",
@@ -261,7 +273,8 @@ CHANGED = {
         "layer_norm": ["test_05_triton.py::test_layer_norm"],
         "gelu": ["test_05_triton.py::test_gelu"],
         "evaluate": ["test_carried_forward.py::test_evaluate_is_the_mean_cross_entropy"],
-        "train": ["test_carried_forward.py::test_train_steps_like_a_plain_adamw_loop"],
+        "train": ["test_carried_forward.py::test_train_steps_like_a_plain_adamw_loop",
+                  "test_carried_forward.py::test_out_of_range_ids_are_refused"],
         "bench_kernels": ["GPU only: run by --bench"],
     },
     "06_flash_attention": {
@@ -269,9 +282,7 @@ CHANGED = {
                   "test_carried_forward.py::test_main_trains_saves_and_generates",
                   "test_06_flash_attention.py::test_main_on_the_cpu"]
            for name in ("main", "parse_args", "check_args", "compare_on_kernels", "train_model")},
-        # both skip their range check while a CUDA graph is captured
-        "GPT": ["test_06_flash_attention.py::test_gpt_and_loss_still_check_ranges",
-                "test_06_flash_attention.py::test_gpu_cuda_graph_step_matches_launched_steps"],
+        # skips its range check while a CUDA graph is captured
         "cross_entropy": ["test_06_flash_attention.py::test_gpt_and_loss_still_check_ranges",
                           "test_06_flash_attention.py::test_gpu_cuda_graph_step_matches_launched_steps",
                           "test_05_triton.py::test_cross_entropy_extreme_logits"],
@@ -365,6 +376,72 @@ def test_each_stages_gpt_matches_transformers(stage, hf_gpt2_dir):
     torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(copy.deepcopy(ours).double()(ids),
                                copy.deepcopy(hf).double()(ids).logits, rtol=0, atol=1e-10)
+
+
+def test_padded_vocabulary(stage):
+    """Training pads wte and lm_head to a multiple of 64 rows; GPT-2's own shapes stay unpadded.
+    The real ids' logits are those of the unpadded GPT with the same weights."""
+    assert stage.build_config("124M", 1024, 0.0).padded_vocab_size == 50304
+    assert stage.build_config("tiny", 128, 0.0).padded_vocab_size == 50304
+    assert stage.GPTConfig.gpt2("124M").padded_vocab_size == 50257
+    for bad in (0, -64, 2.0):
+        with pytest.raises(ValueError, match="vocab_multiple"):
+            tiny_config(stage, vocab_multiple=bad)
+    torch.manual_seed(5)
+    padded = stage.GPT(tiny_config(stage, vocab_multiple=24)).eval()  # 31 ids -> 48 rows
+    assert padded.wte.weight.shape == (48, 32) and padded.lm_head.weight is padded.wte.weight
+    plain = stage.GPT(tiny_config(stage)).eval()
+    plain.load_state_dict({name: t[:31] if name in ("wte.weight", "lm_head.weight") else t
+                           for name, t in padded.state_dict().items()})
+    ids = torch.randint(0, 31, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits = padded(ids)
+        assert logits.shape == (2, 16, 48)
+        torch.testing.assert_close(logits[..., :31], plain(ids), rtol=1e-6, atol=1e-6)
+
+
+def test_out_of_range_ids_are_refused(stage):
+    """GPT.forward refuses ids outside the real vocabulary (a padding row's id too) for ids on
+    the CPU in both modes (on a GPU in eval mode only: test_03_train's GPU test); train() checks
+    every batch, targets included, before the step, where a GPU would not check them."""
+    gpt = stage.GPT(tiny_config(stage, vocab_multiple=64))
+    for training in (True, False):
+        for bad in ([[3, 31]], [[-1, 0]]):
+            with pytest.raises(ValueError, match=r"token ids must be in \[0, 31\)"):
+                gpt.train(training)(torch.tensor(bad))
+    train_loader, val_loader = loaders(stage, learnable_tokens())
+    x, y = next(iter(train_loader))
+    before = copy.deepcopy(gpt.state_dict())
+    for batch in [(x, y.masked_fill(y == y[0, 0], 31)), (x.masked_fill(x == x[0, 0], -1), y)]:
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 31\)"):
+            stage.train(gpt, [batch], val_loader, stage.TrainConfig(epochs=1), "cpu",
+                        log=lambda line: None)
+    assert all(torch.equal(t, gpt.state_dict()[name]) for name, t in before.items())
+
+
+@pytest.mark.parametrize("name", ["03_train", "05_triton", "06_flash_attention"])  # not 04: no bench
+def test_plain_twin_is_the_same_function(name):
+    """--bench's baseline: plain_twin switches the GPT's LayerNorms, GELUs and attentions to
+    torch's fused ops in place (weights and tying untouched); in float32 its logits, loss and
+    gradients are the stage GPT's."""
+    stage = load_stage(name)
+    torch.manual_seed(7)
+    gpt = stage.GPT(tiny_config(stage, vocab_multiple=64))
+    twin = stage.plain_twin(copy.deepcopy(gpt))
+    kinds = {type(m) for m in twin.modules()}
+    assert {stage.TorchLayerNorm, stage.TorchGELU, stage.SDPAAttention} <= kinds
+    assert not kinds & {stage.LayerNorm, stage.GELU, stage.MultiHeadAttention}
+    assert twin.lm_head.weight is twin.wte.weight
+    x, y = next(iter(loaders(stage, learnable_tokens())[0]))
+
+    def run(model):
+        logits = model(x)
+        loss = stage.loss_fn(logits, y)
+        loss.backward()
+        return [logits, loss, *(p.grad for p in model.parameters())]
+
+    for ours, ref in zip(run(twin), run(gpt), strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
 # -- the training loop, in every stage (05 gives train and evaluate a loss argument) ------------
