@@ -1725,11 +1725,14 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
     # flatten: one software pipeline over the (tile, k) pairs, so the next tile's first loads are
     # in flight while this tile finishes
     for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=True):
-        tile = item % num_tiles
+        tile = item % num_tiles if SPLIT_K > 1 else item
         part = item // num_tiles
         pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(part * k_steps, (part + 1) * k_steps):  # past K the loads are zeros: no tail mask
+        # without a split, bounds the compiler knows start at 0: the flattened pipeline then
+        # compiles as it did before split-K existed (the same TTGIR, op for op)
+        k_first = part * k_steps if SPLIT_K > 1 else 0
+        for k in range(k_first, k_first + k_steps):  # past K the loads are zeros: no tail mask
             if A_T:
                 a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M]).T
             else:
