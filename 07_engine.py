@@ -23,6 +23,11 @@ What this stage teaches
     18. The KV cache (`KVCache`), allocated once and written at each token's position. Prefill
         runs on stage 06's `flash_attention` on a GPU, decode attends over the cache; both are
         checked against recomputing the whole sequence.
+    19. Fast decode, first piece: `decode_attention`, a Triton kernel for one query a row over
+        a long cache (flash-decoding: the keys split into chunks whose partial softmaxes a
+        second kernel merges; the query heads of a GQA group share each K/V load), in the model's
+        one-token cached step on the kernels; `--bench` measures it against copy bandwidth and
+        torch's SDPA.
     34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
         frequency penalties, seed, stop ids, logprobs), validated on construction and applied in
         vLLM's order, every row of a batch with its own values and, when seeded, its own random
@@ -35,7 +40,8 @@ What this stage teaches
         matches, with random weights too.
 
 New since stage 06: all of the above. Kept unchanged: the Triton set-up, stage 05's RMSNorm and
-SwiGLU forward kernels, stage 06's flash-attention forward kernel with its input checks, the
+SwiGLU forward kernels, stage 06's flash-attention forward kernel with its input checks, its
+SM count and its bench's timer and copy bandwidth (`_num_sms`, `_ms`, `_bench_copy_gbs`), the
 download helper, `read_ranks` and GPT-2's regex (main's demo tokenizer is built from GPT-2's
 ranks). Changed: `rms_norm`, `swiglu` and `flash_attention` are forward only (plain functions,
 no autograd); stage 03's `filter_logits` takes one top-k / top-p per row and adds min-p;
@@ -53,7 +59,7 @@ Run
                                          # Qwen/Qwen3-0.6B (downloaded into data/hub/)
     python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
     python 07_engine.py --bench          # what structured output costs on a 151,936-token
-                                         # vocabulary (the GPU decode benchmarks come later)
+                                         # vocabulary; on a GPU, decode attention's GB/s
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
 through Triton's interpreter), greedy and sampled generations as text, batched against one by
 one, a generation under each kind of structured output (checked with Python's re and json), and
@@ -1664,6 +1670,61 @@ def _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_sp
                                  or not (math.isfinite(sm_scale) and sm_scale > 0)):
         raise ValueError(f"decode_attention: sm_scale must be a positive number, got {sm_scale!r}")
     return max_len
+
+
+# The bench (on a GPU): the kernel's GB/s against the copy bandwidth measured in the same run,
+# and its time against torch's scaled_dot_product_attention on the same cache.
+
+_BENCH_BYTES = 256 * 2**20  # bytes per input tensor of the bandwidth benchmarks: far past the 50 MB L2
+
+
+def _ms(fn):
+    """Median milliseconds of fn() on the GPU; the first call (compiling, autotuning) is not timed."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _bench_copy_gbs():
+    x = torch.randn(_BENCH_BYTES, device="cuda", dtype=torch.float32)  # 1 GiB
+    y = torch.empty_like(x)
+    gbs = 2 * x.nbytes / _ms(lambda: y.copy_(x)) / 1e6
+    print(f"device-to-device copy: {gbs:,.0f} GB/s (bytes read + written); the bandwidth kernels' limit")
+    return gbs
+
+
+def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_dim=128,
+                           splits=(None, 1, 2, 4, 8)):
+    """Decode attention alone, bf16, every row `context` keys long (Qwen3-8B's heads by
+    default): GB/s of the cache read (K and V; q and the output are 1/context of it) against the
+    copy bandwidth, and speed against torch's SDPA, for the split rule's count and forced ones.
+    Returns {splits: fraction of copy bandwidth}, or None without a GPU."""
+    if device.type != "cuda":
+        print("decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not "
+              "speed); skipped")
+        return None
+    (Hq, Hkv), D = heads, head_dim
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+               for shape in ((batch, Hq, D), (batch, Hkv, context, D), (batch, Hkv, context, D)))
+    lengths = torch.full((batch,), context, device=device, dtype=torch.int32)
+    copy_gbs = _bench_copy_gbs()
+    sdpa = functools.partial(F.scaled_dot_product_attention, q[:, :, None], k, v, enable_gqa=True)
+    expected = sdpa()[:, :, 0].float()  # (B, Hq, D)
+    err = ((decode_attention(q, k, v, lengths).float() - expected).norm() / expected.norm()).item()
+    sdpa_ms = _ms(sdpa)
+    print(f"decode attention, batch {batch}, context {context:,}, GQA {Hq}/{Hkv}, D={D}, bf16 "
+          f"({(k.nbytes + v.nbytes) / 2**20:,.0f} MiB of cache; against SDPA: rel err {err:.1e}; "
+          f"SDPA {sdpa_ms * 1e3:,.1f} µs)")
+    fractions = {}
+    for n in splits:
+        ms = _ms(lambda n=n: decode_attention(q, k, v, lengths, num_splits=n))
+        gbs = (k.nbytes + v.nbytes) / ms / 1e6
+        fractions[n] = gbs / copy_gbs
+        label = f"rule ({decode_splits(batch, Hkv, context, _num_sms(device))})" if n is None else n
+        print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = {gbs / copy_gbs:4.0%} "
+              f"of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
+    return fractions
 
 
 class Attention(nn.Module):
@@ -3690,7 +3751,8 @@ def parse_args(argv=None):
                         help="give each prompt as a user turn in Qwen3's chat format")
     parser.add_argument("--bench", action="store_true",
                         help="instead: what structured output costs on a Qwen3-sized vocabulary "
-                        "(compiling a schema, a state's first mask, a cached mask)")
+                        "(compiling a schema, a state's first mask, a cached mask) and, on a "
+                        "GPU, the decode-attention kernel's share of copy bandwidth")
     parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
                         "the random model's (default: data/)")
     args = parser.parse_args(argv)
@@ -3727,6 +3789,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.bench:
         bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
+        bench_decode_attention(torch.device(args.device))
         return
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
