@@ -1494,11 +1494,13 @@ def attention_torch(q, k, v, positions):
 #   streaming a cache of thousands of keys alone. So the keys are split into chunks
 #   (FlashDecoding, Dao et al. 2023): kernel 1 runs the online softmax of one chunk and writes
 #   its partial output, normalized, with its log-sum-exp; kernel 2 merges a head's partials with
-#   weights exp(lse_s - lse), lse the log-sum-exp over all splits. Splitting costs the partials
-#   (Hq * D fp32 numbers a split and row, written and read once: 1/500 of a 4,096-key cache).
+#   weights exp(lse_s - lse), lse the log-sum-exp over all splits. Splitting costs the partials:
+#   Hq * D fp32 numbers a split and row, written and read once, 2G / S of the cache's bytes
+#   (1/512 a split at G = 4 and 4,096 keys).
 # Lengths are ragged (each row up to its own position) and stay on the device: the grid is sized
 # from max_len, a bound the host knows, and a program whose chunk starts past its row's end
-# writes an empty partial (lse = -inf, weight 0). No host sync, so a CUDA graph can hold it.
+# writes an empty partial (lse = -inf, weight 0). No host sync, so a CUDA graph can hold the
+# launch (its grid is fixed: a graph passes the cache's length as max_len).
 
 # Tile of keys a step (BLOCK_N), warps and pipeline stages, autotuned per head size, chunk-length
 # bucket and dtype (not measured yet on the H200: the candidates are the usual ones for a
@@ -1598,8 +1600,8 @@ def _decode_merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, Hq, SPLITS
 
 def decode_splits(batch, kv_heads, max_len, n_sms):
     """The split rule: how many chunks each row's keys are cut into. Unsplit, the grid is
-    batch * kv_heads programs; split until it holds about four programs an SM (two or three run
-    at once on an SM, their loads in flight together, and the rest even out the last wave), but
+    batch * kv_heads programs; split until it holds about four programs an SM (several run at
+    once on an SM, their loads in flight together, and the rest even out the last wave), but
     keep at least _MIN_SPLIT_KEYS keys a split and at most _MAX_SPLITS splits. At batch 64 and
     Hkv = 8 on an H200's 132 SMs that is 2 splits; at batch 1, 16 splits of a 4,096-key cache."""
     wanted = triton.cdiv(4 * n_sms, batch * kv_heads)
@@ -1715,7 +1717,7 @@ def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_d
     sdpa_ms = _ms(sdpa)
     print(f"decode attention, batch {batch}, context {context:,}, GQA {Hq}/{Hkv}, D={D}, bf16 "
           f"({(k.nbytes + v.nbytes) / 2**20:,.0f} MiB of cache; against SDPA: rel err {err:.1e}; "
-          f"SDPA {sdpa_ms * 1e3:,.1f} µs)")
+          f"SDPA {sdpa_ms * 1e3:,.1f} µs; target 80% of copy)")
     fractions = {}
     for n in splits:
         ms = _ms(lambda n=n: decode_attention(q, k, v, lengths, num_splits=n))

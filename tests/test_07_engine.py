@@ -2336,3 +2336,24 @@ def check_on_the_gpu(q7, hf, folder):
     bf16 = q7.load_qwen3(folder, device="cuda", dtype=torch.bfloat16)
     logits = bf16(torch.tensor([PROMPTS[2] + PROMPTS[0]], device="cuda")).float().cpu()
     assert ((logits - expected).norm() / expected.norm()).item() < 3e-2
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_decode_attention_at_scale(q7):
+    """The bench's shape: batch 64, context 4,096, GQA 32/8, D=128, bf16, ragged rows (1 and
+    4,096 among them), with the split rule's count and forced ones, against torch's SDPA in
+    float32 on the same bf16 numbers."""
+    B, Hq, Hkv, S, D = 64, 32, 8, 4096, 128
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    lengths = torch.randint(1, S + 1, (B,), device="cuda", dtype=torch.int32, generator=gen)
+    lengths[:2] = torch.tensor([1, S])
+    visible = torch.arange(S, device="cuda") < lengths[:, None]  # (B, S)
+    expected = F.scaled_dot_product_attention(q.float()[:, :, None], k.float(), v.float(),
+                                              attn_mask=visible[:, None, None], enable_gqa=True)[:, :, 0]
+    for splits in (None, 1, 7, 64):
+        out = q7.decode_attention(q, k, v, lengths, num_splits=splits).float()
+        assert ((out - expected).norm() / expected.norm()).item() < 1e-2, splits
