@@ -1630,7 +1630,8 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len=None, sm_scale=None, 
     _decode_split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, lengths, out, o_part, lse_part, scale * LOG2E, max_len, chunk,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
-        _seq_bucket(chunk), GROUP=Hq // Hkv, D=D, BLOCK_H=max(16, triton.next_power_of_2(Hq // Hkv)),
+        _seq_bucket(chunk), GROUP=Hq // Hkv, D=D,
+        BLOCK_H=max(16, triton.next_power_of_2(Hq // Hkv)),  # the group, padded for tl.dot
         DIRECT=splits == 1, DOT_PRECISION=_dot_precision(q.dtype))
     if splits > 1:
         _decode_merge_kernel[(B * Hq,)](o_part, lse_part, out, *out.stride()[:2], Hq, splits,
@@ -1668,7 +1669,8 @@ def _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_sp
                                    or not 1 <= num_splits <= _MAX_SPLITS):
         raise ValueError(f"decode_attention: num_splits must be an int in [1, {_MAX_SPLITS}] or "
                          f"None, got {num_splits!r}")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
+    if sm_scale is not None and (isinstance(sm_scale, bool)
+                                 or not isinstance(sm_scale, numbers.Real)
                                  or not (math.isfinite(sm_scale) and sm_scale > 0)):
         raise ValueError(f"decode_attention: sm_scale must be a positive number, got {sm_scale!r}")
     return max_len
@@ -1724,8 +1726,8 @@ def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_d
         gbs = (k.nbytes + v.nbytes) / ms / 1e6
         fractions[n] = gbs / copy_gbs
         label = f"rule ({decode_splits(batch, Hkv, context, _num_sms(device))})" if n is None else n
-        print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = {gbs / copy_gbs:4.0%} "
-              f"of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
+        print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = "
+              f"{gbs / copy_gbs:4.0%} of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
     return fractions
 
 
@@ -1756,8 +1758,9 @@ class Attention(nn.Module):
         if kv_len is not None:  # continuing sequences: attend over the cache
             k, v = cache.read(self.layer, B, kv_len)  # (B, Hkv, kv_len, D)
             if self.kernels and T == 1:  # one query a row: the decode kernel (19)
-                lengths = positions[:, 0] + 1  # (B,) on the device: row b sees keys 0..positions[b]
-                out = decode_attention(q[:, :, 0], k, v, lengths, kv_len)[:, :, None]  # (B, Hq, 1, D)
+                lengths = positions[:, 0] + 1  # (B,), on the device: keys 0..positions[b]
+                out = decode_attention(q[:, :, 0], k, v, lengths, kv_len)  # (B, Hq, D)
+                out = out[:, :, None]  # (B, Hq, 1, D)
             else:
                 out = attention_torch(q, k, v, positions)
         elif self.kernels:  # whole sequences from position 0: plain causal attention

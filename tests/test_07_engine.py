@@ -1120,7 +1120,8 @@ def test_decode_attention(q7, case):
     lengths = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     out = q7.decode_attention(q, k, v, lengths, num_splits=splits)
     assert out.shape == (B, Hq, D) and out.dtype == dtype
-    assert (out.cpu().double() - decode_float64(q, k, v, lengths)).abs().max().item() < DECODE_TOL[dtype]
+    error = (out.cpu().double() - decode_float64(q, k, v, lengths)).abs().max().item()
+    assert error < DECODE_TOL[dtype]
 
 
 def test_decode_attention_split_rule_and_edges(q7, monkeypatch):
@@ -1167,9 +1168,10 @@ DECODE_BAD = [  # (what changes, error, message)
     (dict(v_cache=("shape", (2, 2, 9, 64))), ValueError, r"one \(B, Hkv, S, D\) shape"),
     (dict(q=("shape", (3, 4, 64))), ValueError, "disagree on B or D"),
     (dict(lengths=("shape", (3,))), ValueError, "disagree on B or D"),
-    (dict(q=("shape", (2, 3, 64))), ValueError, r"query heads \(3\) must be a multiple of kv heads \(2\)"),
-    (dict(q=("shape", (2, 4, 48)), k_cache=("shape", (2, 2, 8, 48)), v_cache=("shape", (2, 2, 8, 48))),
-     ValueError, "head size D=48 is not supported"),
+    (dict(q=("shape", (2, 3, 64))), ValueError,
+     r"query heads \(3\) must be a multiple of kv heads \(2\)"),
+    (dict(q=("shape", (2, 4, 48)), k_cache=("shape", (2, 2, 8, 48)),
+          v_cache=("shape", (2, 2, 8, 48))), ValueError, "head size D=48 is not supported"),
     (dict(k_cache=("dtype", torch.float16)), TypeError, "k_cache has dtype torch.float16"),
     (dict(q=("dtype", torch.float64)), TypeError, "q has dtype torch.float64"),
     (dict(lengths=("dtype", torch.float32)), TypeError, "lengths has dtype torch.float32"),
@@ -2353,7 +2355,8 @@ def test_gpu_decode_attention_at_scale(q7):
     lengths[:2] = torch.tensor([1, S])
     visible = torch.arange(S, device="cuda") < lengths[:, None]  # (B, S)
     expected = F.scaled_dot_product_attention(q.float()[:, :, None], k.float(), v.float(),
-                                              attn_mask=visible[:, None, None], enable_gqa=True)[:, :, 0]
+                                              attn_mask=visible[:, None, None],
+                                              enable_gqa=True)[:, :, 0]  # (B, Hq, D)
     for splits in (None, 1, 7, 64):
         out = q7.decode_attention(q, k, v, lengths, num_splits=splits).float()
         assert ((out - expected).norm() / expected.norm()).item() < 1e-2, splits
