@@ -23,6 +23,11 @@ What this stage teaches
     18. The KV cache (`KVCache`), allocated once and written at each token's position. Prefill
         runs on stage 06's `flash_attention` on a GPU, decode attends over the cache; both are
         checked against recomputing the whole sequence.
+    19. Fast decode, first piece: `decode_attention`, a Triton kernel for one query a row over
+        a long cache (flash-decoding: the keys split into chunks whose partial softmaxes a
+        second kernel merges; the query heads of a GQA group share each K/V load), in the model's
+        one-token cached step on the kernels; `--bench` measures it against copy bandwidth and
+        torch's SDPA.
     34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
         frequency penalties, seed, stop ids, logprobs), validated on construction and applied in
         vLLM's order, every row of a batch with its own values and, when seeded, its own random
@@ -35,7 +40,8 @@ What this stage teaches
         matches, with random weights too.
 
 New since stage 06: all of the above. Kept unchanged: the Triton set-up, stage 05's RMSNorm and
-SwiGLU forward kernels, stage 06's flash-attention forward kernel with its input checks, the
+SwiGLU forward kernels, stage 06's flash-attention forward kernel with its input checks, its
+SM count and its bench's timer and copy bandwidth (`_num_sms`, `_ms`, `_bench_copy_gbs`), the
 download helper, `read_ranks` and GPT-2's regex (main's demo tokenizer is built from GPT-2's
 ranks). Changed: `rms_norm`, `swiglu` and `flash_attention` are forward only (plain functions,
 no autograd); stage 03's `filter_logits` takes one top-k / top-p per row and adds min-p;
@@ -53,7 +59,7 @@ Run
                                          # Qwen/Qwen3-0.6B (downloaded into data/hub/)
     python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
     python 07_engine.py --bench          # what structured output costs on a 151,936-token
-                                         # vocabulary (the GPU decode benchmarks come later)
+                                         # vocabulary; on a GPU, decode attention's GB/s
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
 through Triton's interpreter), greedy and sampled generations as text, batched against one by
 one, a generation under each kind of structured output (checked with Python's re and json), and
@@ -104,6 +110,7 @@ import triton  # noqa: E402  (after the interpreter switch)
 import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = tl.constexpr(INTERPRET)  # kernels can read module globals only when they are constexpr
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels take
 # The kernels' input checks (_check_tensor) and the interpreter patch are plumbing, at the end.
 
@@ -1151,9 +1158,9 @@ def apply_rope(x, cos, sin):
 # A prefill attends causally over the prompt itself: stage 06's flash_attention forward, kept
 # below unchanged but for its autograd wrapper (the conventions: q (B, Hq, T, D), k, v
 # (B, Hkv, S, D), the causal mask aligned bottom-right, grouped-query heads read by index).
-# Decoding attends one new query a row over the cache, each row up to its own length, with the
-# torch twin (a decode kernel is the next step). The twin is transformers' eager attention:
-# scores in the inputs' dtype, the softmax in fp32 rounded back.
+# Decoding attends one new query a row over the cache, each row up to its own length:
+# decode_attention below on the kernels, else the torch twin, which is transformers' eager
+# attention: scores in the inputs' dtype, the softmax in fp32 rounded back.
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 HEAD_DIMS = (32, 64, 128, 256)
@@ -1469,6 +1476,261 @@ def attention_torch(q, k, v, positions):
     return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+# ------------------------------------------------------------------------------------------------
+# 17.4 continued: decode attention over a long cache, flash-decoding (chapter 19)
+# ------------------------------------------------------------------------------------------------
+# NEW in stage 07. A decode step attends one new query a row over that row's whole cache. Per
+# row and kv head the keys and values are 2 * S * D numbers, read once; the G query heads that
+# share them do 4 * G * S * D FLOPs with them (a dot product with every key, a multiple of every
+# value added): in bf16, G FLOPs a byte (4 for Qwen3-8B's 32/8 heads), where an H200 (~990 dense
+# bf16 TFLOP/s over ~4.8 TB/s) turns compute-bound only past ~200. The roofline is memory
+# bandwidth: a good kernel reads the cache once, at copy speed. Two things stand in the way.
+# - The heads. The flash kernel's shape, one program per query head, reads each kv head's cache
+#   G times. Here one program serves a kv head and all G query heads that read it: a tile of keys
+#   is loaded once and multiplied by the G queries at once (a (G, D) query block, padded to 16
+#   rows, the smallest tl.dot), which divides the bytes read by G. (The torch twin does worse: it
+#   copies each kv head G times before it multiplies.)
+# - The grid. One program per (row, kv head) is B * Hkv programs: 8 at batch 1 for 132 SMs, each
+#   streaming a cache of thousands of keys alone. So the keys are split into chunks
+#   (FlashDecoding, Dao et al. 2023): kernel 1 runs the online softmax of one chunk and writes
+#   its partial output, normalized, with its log-sum-exp; kernel 2 merges a head's partials with
+#   weights exp(lse_s - lse), lse the log-sum-exp over all splits. Splitting costs the partials:
+#   Hq * D fp32 numbers a split and row, written and read once, 2G / S of the cache's bytes
+#   (1/512 a split at G = 4 and 4,096 keys).
+# Lengths are ragged (each row up to its own position) and stay on the device: the grid is sized
+# from max_len, a bound the host knows, and a program whose chunk starts past its row's end
+# writes an empty partial (lse = -inf, weight 0). No host sync, so a CUDA graph can hold the
+# launch (its grid is fixed: a graph passes the cache's length as max_len).
+
+# Tile of keys a step (BLOCK_N), warps and pipeline stages, autotuned per head size, chunk-length
+# bucket and dtype (not measured yet on the H200: the candidates are the usual ones for a
+# memory-bound loop; K and V tiles in flight take stages * 2 * BLOCK_N * D * 2 bytes of shared
+# memory, 96 KiB at 64 keys, 3 stages, D=128, bf16: two programs an SM).
+_DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+                   for n, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2),
+                                   (128, 8, 2))]
+if INTERPRET:
+    _DECODE_CONFIGS = [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
+_DECODE_ALIGN = max(c.kwargs["BLOCK_N"] for c in _DECODE_CONFIGS)  # chunks are whole tiles
+_MIN_SPLIT_KEYS = 256  # a shorter split's fixed costs (its query load, its partial) would show
+_MAX_SPLITS = 64  # the merge holds a head's partials in registers: (64, D) fp32
+
+
+@triton.autotune(configs=_DECODE_CONFIGS, key=["CHUNK_BUCKET", "D", "BLOCK_H"])
+@triton.jit(do_not_specialize=["max_len"])  # a new bound each step, not a new compile
+def _decode_split_kernel(Q, K, V, LENGTHS, OUT, O_PART, LSE_PART, qk_scale, max_len, chunk,
+                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt,
+                         stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, CHUNK_BUCKET,
+                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                         DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Kernel 1, one program per (row b, kv head, split s): keys [s * chunk, (s + 1) * chunk) of
+    row b, cut at the row's length, against the GROUP query heads of the kv head.
+    Q (B, Hq, D); K, V (B, Hkv, S, D); any strides, unit last stride. LENGTHS (B,): keys of each
+    row (clamped to max_len, so a wrong one never reads past the cache). qk_scale = sm_scale *
+    log2(e). DIRECT (a single split): write the output itself to OUT (B, Hq, D); else the
+    normalized partial to O_PART (B, Hq, splits, D) and its log-sum-exp, base 2, to
+    LSE_PART (B, Hq, splits), both fp32. CHUNK_BUCKET: an autotune key only."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    length = tl.minimum(tl.load(LENGTHS + b), max_len)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, length)  # hi <= lo: an empty split, the loop runs no step
+    offs_g = tl.arange(0, BLOCK_H)  # the query block: rows 0..GROUP-1 real, the rest padding
+    heads = kvh * GROUP + offs_g  # (BLOCK_H,) query heads that read kv head kvh
+    is_head = offs_g < GROUP
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=is_head[:, None], other=0.0)  # (BLOCK_H, D), on chip for the whole loop
+    k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
+    if _INTERPRET:
+        # Triton 3.6's interpreter multiplies bf16 tiles by their raw bits; fp32 tiles give
+        # the product the tensor cores compute (exact products, fp32 sums)
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base 2
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)  # unnormalized output
+    for start in tl.range(lo, hi, BLOCK_N):
+        valid = start + offs_n < hi  # (BLOCK_N,): the ragged end of the chunk or the row
+        k = tl.load(k_ptrs + start * stride_kt, mask=valid[:, None], other=0.0)  # (BLOCK_N, D)
+        v = tl.load(v_ptrs + start * stride_vt, mask=valid[:, None], other=0.0)  # (BLOCK_N, D)
+        if _INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k.T, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_H, BLOCK_N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key `start` is valid in every step
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: output 0, and lse -inf from m_i
+    out = acc / l_safe[:, None]  # (BLOCK_H, D)
+    if DIRECT:
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=is_head[:, None])
+    else:
+        part = (b * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # (BLOCK_H,)
+        tl.store(LSE_PART + part, m_i + tl.math.log2(l_safe), mask=is_head)
+        tl.store(O_PART + part[:, None] * D + offs_d[None, :], out, mask=is_head[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, Hq, SPLITS,
+                         D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Kernel 2, one program per (row b, query head h): out = sum_s w_s o_s / sum_s w_s with
+    w_s = exp2(lse_s - max lse), over the SPLITS partials of O_PART (B, Hq, SPLITS, D) and
+    LSE_PART (B, Hq, SPLITS). A row with no key at all (length 0) gets 0."""
+    pid = tl.program_id(0).to(tl.int64)  # b * Hq + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    lse = tl.load(LSE_PART + pid * SPLITS + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # (BLOCK_S,), 0 if empty
+    o = tl.load(O_PART + (pid * SPLITS + offs_s)[:, None] * D + offs_d[None, :],
+                mask=(offs_s < SPLITS)[:, None], other=0.0)  # (BLOCK_S, D)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)  # (D,)
+    tl.store(OUT + (pid // Hq) * stride_ob + (pid % Hq) * stride_oh + offs_d,
+             out.to(OUT.dtype.element_ty))
+
+
+def decode_splits(batch, kv_heads, max_len, n_sms):
+    """The split rule: how many chunks each row's keys are cut into. Unsplit, the grid is
+    batch * kv_heads programs; split until it holds about four programs an SM (several run at
+    once on an SM, their loads in flight together, and the rest even out the last wave), but
+    keep at least _MIN_SPLIT_KEYS keys a split and at most _MAX_SPLITS splits. At batch 64 and
+    Hkv = 8 on an H200's 132 SMs that is 2 splits; at batch 1, 16 splits of a 4,096-key cache."""
+    wanted = triton.cdiv(4 * n_sms, batch * kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_len, _MIN_SPLIT_KEYS), _MAX_SPLITS))
+
+
+def decode_attention(q, k_cache, v_cache, lengths, max_len=None, sm_scale=None, num_splits=None):
+    """Attention of one new query a row over a KV cache: q (B, Hq, D), k_cache and v_cache
+    (B, Hkv, S, D) (views of KVCache's tensors do: any strides, unit last stride), lengths (B,)
+    int32 or int64 on q's device: row b attends to its keys 0..lengths[b]-1 -> (B, Hq, D).
+    max_len: a bound on lengths known on the host (default S; the engine passes its kv_len);
+    lengths stay on the device, unchecked, clamped to max_len. Query head h reads kv head
+    h // (Hq // Hkv); sm_scale defaults to 1/sqrt(D). num_splits forces the split count (the
+    tests run every path with it); by default decode_splits picks it."""
+    max_len = _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_splits)
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    splits = num_splits or decode_splits(B, Hkv, max_len, _num_sms(q.device))
+    chunk = triton.cdiv(triton.cdiv(max_len, splits), _DECODE_ALIGN) * _DECODE_ALIGN
+    if num_splits is None:
+        splits = triton.cdiv(max_len, chunk)  # after rounding up, no split past max_len
+    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    o_part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, lengths, out, o_part, lse_part, scale * LOG2E, max_len, chunk,
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
+        _seq_bucket(chunk), GROUP=Hq // Hkv, D=D,
+        BLOCK_H=max(16, triton.next_power_of_2(Hq // Hkv)),  # the group, padded for tl.dot
+        DIRECT=splits == 1, DOT_PRECISION=_dot_precision(q.dtype))
+    if splits > 1:
+        _decode_merge_kernel[(B * Hq,)](o_part, lse_part, out, *out.stride()[:2], Hq, splits,
+                                        D=D, BLOCK_S=triton.next_power_of_2(splits))
+    return out
+
+
+def _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_splits):
+    """Raise a clear error for anything decode_attention cannot take; returns max_len."""
+    _check_tensor("q", q, contiguous=False)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, x, dtypes=(q.dtype,), device=q.device, contiguous=False)
+    _check_tensor("lengths", lengths, dtypes=(torch.int32, torch.int64), device=q.device,
+                  contiguous=False)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"decode_attention: q must be (B, Hq, D) and k_cache, v_cache one "
+                         f"(B, Hkv, S, D) shape, got {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    (B, Hq, D), (Bk, Hkv, S, Dk) = q.shape, k_cache.shape
+    if B != Bk or D != Dk or lengths.shape != (B,):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} "
+                         f"and lengths {tuple(lengths.shape)} disagree on B or D")
+    if Hq % Hkv:
+        raise ValueError(f"decode_attention: query heads ({Hq}) must be a multiple of kv heads "
+                         f"({Hkv})")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"decode_attention: head size D={D} is not supported; use one of "
+                         f"{HEAD_DIMS}")
+    if any(x.stride(-1) != 1 for x in (q, k_cache, v_cache)):
+        raise ValueError("decode_attention: q, k_cache and v_cache need a unit last stride")
+    max_len = S if max_len is None else max_len
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= S:
+        raise ValueError(f"decode_attention: max_len must be an int in [1, S={S}], got {max_len!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= _MAX_SPLITS):
+        raise ValueError(f"decode_attention: num_splits must be an int in [1, {_MAX_SPLITS}] or "
+                         f"None, got {num_splits!r}")
+    if sm_scale is not None and (isinstance(sm_scale, bool)
+                                 or not isinstance(sm_scale, numbers.Real)
+                                 or not (math.isfinite(sm_scale) and sm_scale > 0)):
+        raise ValueError(f"decode_attention: sm_scale must be a positive number, got {sm_scale!r}")
+    return max_len
+
+
+# The bench (on a GPU): the kernel's GB/s against the copy bandwidth measured in the same run,
+# and its time against torch's scaled_dot_product_attention on the same cache.
+
+_BENCH_BYTES = 256 * 2**20  # bytes per input tensor of the bandwidth benchmarks: far past the 50 MB L2
+
+
+def _ms(fn):
+    """Median milliseconds of fn() on the GPU; the first call (compiling, autotuning) is not timed."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _bench_copy_gbs():
+    x = torch.randn(_BENCH_BYTES, device="cuda", dtype=torch.float32)  # 1 GiB
+    y = torch.empty_like(x)
+    gbs = 2 * x.nbytes / _ms(lambda: y.copy_(x)) / 1e6
+    print(f"device-to-device copy: {gbs:,.0f} GB/s (bytes read + written); the bandwidth kernels' limit")
+    return gbs
+
+
+def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_dim=128,
+                           splits=(None, 1, 2, 4, 8)):
+    """Decode attention alone, bf16, every row `context` keys long (Qwen3-8B's heads by
+    default): GB/s of the cache read (K and V; q and the output are 1/context of it) against the
+    copy bandwidth, and speed against torch's SDPA, for the split rule's count and forced ones.
+    Returns {splits: fraction of copy bandwidth}, or None without a GPU."""
+    if device.type != "cuda":
+        print("decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not "
+              "speed); skipped")
+        return None
+    (Hq, Hkv), D = heads, head_dim
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+               for shape in ((batch, Hq, D), (batch, Hkv, context, D), (batch, Hkv, context, D)))
+    lengths = torch.full((batch,), context, device=device, dtype=torch.int32)
+    copy_gbs = _bench_copy_gbs()
+    sdpa = functools.partial(F.scaled_dot_product_attention, q[:, :, None], k, v, enable_gqa=True)
+    expected = sdpa()[:, :, 0].float()  # (B, Hq, D)
+    err = ((decode_attention(q, k, v, lengths).float() - expected).norm() / expected.norm()).item()
+    sdpa_ms = _ms(sdpa)
+    print(f"decode attention, batch {batch}, context {context:,}, GQA {Hq}/{Hkv}, D={D}, bf16 "
+          f"({(k.nbytes + v.nbytes) / 2**20:,.0f} MiB of cache; against SDPA: rel err {err:.1e}; "
+          f"SDPA {sdpa_ms * 1e3:,.1f} µs; target 80% of copy)")
+    fractions = {}
+    for n in splits:
+        ms = _ms(lambda n=n: decode_attention(q, k, v, lengths, num_splits=n))
+        gbs = (k.nbytes + v.nbytes) / ms / 1e6
+        fractions[n] = gbs / copy_gbs
+        label = f"rule ({decode_splits(batch, Hkv, context, _num_sms(device))})" if n is None else n
+        print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = "
+              f"{gbs / copy_gbs:4.0%} of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
+    return fractions
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -1495,7 +1757,12 @@ class Attention(nn.Module):
             cache.write(self.layer, k, v, positions)
         if kv_len is not None:  # continuing sequences: attend over the cache
             k, v = cache.read(self.layer, B, kv_len)  # (B, Hkv, kv_len, D)
-            out = attention_torch(q, k, v, positions)
+            if self.kernels and T == 1:  # one query a row: the decode kernel (19)
+                lengths = positions[:, 0] + 1  # (B,), on the device: keys 0..positions[b]
+                out = decode_attention(q[:, :, 0], k, v, lengths, kv_len)  # (B, Hq, D)
+                out = out[:, :, None]  # (B, Hq, 1, D)
+            else:
+                out = attention_torch(q, k, v, positions)
         elif self.kernels:  # whole sequences from position 0: plain causal attention
             out = flash_attention(q, k, v, causal=True)
         else:
@@ -3318,20 +3585,32 @@ def check_against_recompute(llm, prompts, max_tokens):
     return worst
 
 
-def check_kernels(model, prompts):
-    """The model's logits on the Triton kernels (RMSNorm, SwiGLU, the flash prefill) against its
-    torch twins, for the prompts as one right-padded batch. Prints and returns the relative
-    error."""
+def check_kernels(model, prompts, steps=2):
+    """The model on the Triton kernels (RMSNorm, SwiGLU, the flash prefill, decode attention)
+    against its torch twins: the logits of the prompts as one right-padded batch, then of `steps`
+    decode steps over the KV cache, each row at its own position. Prints and returns the
+    relative error."""
+    device, dtype = _device_of(model), model.model.embed_tokens.weight.dtype
+    lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     T = max(map(len, prompts))
-    ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=_device_of(model))
+    ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # (B, T)
     was_on = model.model.norm.kernels
+    logits = []
     with torch.inference_mode():
-        reference = model.use_kernels(False)(ids).float()
-        ours = model.use_kernels(True)(ids).float()
+        for on in (False, True):
+            model.use_kernels(on)
+            cache = KVCache(model.cfg, len(prompts), T + steps, device, dtype)
+            out = [model.logits(model.hidden_states(ids, cache=cache)).flatten(0, 1)]  # (B * T, V)
+            for i in range(steps):  # each row's first token again, at the row's next position
+                h = model.hidden_states(ids[:, :1], (lengths + i)[:, None], cache, kv_len=T + i + 1)
+                out.append(model.logits(h[:, 0]))  # (B, V)
+            logits.append(torch.cat(out).float())
     model.use_kernels(was_on)
+    reference, ours = logits
     err = ((ours - reference).norm() / reference.norm()).item()
-    where = "Triton's interpreter" if INTERPRET else torch.cuda.get_device_name(ids.device)
-    print(f"logits on the Triton kernels ({where}) vs the torch path: rel err {err:.1e}")
+    where = "Triton's interpreter" if INTERPRET else torch.cuda.get_device_name(device)
+    print(f"logits on the Triton kernels ({where}) vs the torch path: rel err {err:.1e} (a prefill "
+          f"and {steps} decode steps)")
     return err
 
 
@@ -3489,7 +3768,8 @@ def parse_args(argv=None):
                         help="give each prompt as a user turn in Qwen3's chat format")
     parser.add_argument("--bench", action="store_true",
                         help="instead: what structured output costs on a Qwen3-sized vocabulary "
-                        "(compiling a schema, a state's first mask, a cached mask)")
+                        "(compiling a schema, a state's first mask, a cached mask) and, on a "
+                        "GPU, the decode-attention kernel's share of copy bandwidth")
     parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
                         "the random model's (default: data/)")
     args = parser.parse_args(argv)
@@ -3526,6 +3806,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.bench:
         bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
+        bench_decode_attention(torch.device(args.device))
         return
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
@@ -3547,7 +3828,7 @@ def main(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Plumbing for the Triton kernels: input checks, the interpreter patch
+# Plumbing for the Triton kernels: input checks, SM count, the interpreter patch
 # ----------------------------------------------------------------------------------------------
 
 def _check_tensor(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True, rows=False):
@@ -3568,6 +3849,14 @@ def _check_tensor(name, t, *, dtypes=_FLOAT_DTYPES, device=None, contiguous=True
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
     if rows and t.dim() == 0:
         raise ValueError(f"{name} is 0-dim; expected at least 1 dimension (the kernel works along the last)")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device):
+    """Streaming multiprocessors of `device`; 1 for the interpreter, which runs programs one by one."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 if INTERPRET:

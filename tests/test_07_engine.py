@@ -1075,6 +1075,174 @@ def test_model_on_the_kernels_matches_its_torch_path(q7, hf_dir):
     assert [o.token_ids for o in kernels] == [o.token_ids for o in torch_path]
 
 
+# -- decode attention: one query a row over the cache ------------------------------------------
+
+def decode_float64(q, k, v, lengths):
+    """q (B, Hq, D) over keys 0..lengths[b]-1 of k, v (B, Hkv, S, D) in float64, GQA heads by
+    index; a row with no key gives 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (B, Hq, S, D)
+    scores = torch.einsum("bhd,bhsd->bhs", q, k) / math.sqrt(q.shape[-1])
+    visible = torch.arange(k.shape[2])[None, :] < lengths[:, None].cpu()  # (B, S)
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num()
+    return torch.einsum("bhs,bhsd->bhd", probs, v)
+
+
+def cache_views(B, Hkv, S, D, seed):
+    """k, v (B, Hkv, S, D) as the model passes them: views of a larger cache, strided as
+    KVCache's (L, rows, Hkv, length, D) tensors are."""
+    big = gen64(2, 2, B + 1, Hkv, S + 5, D, seed=seed)
+    return big[0, 1, :B, :, :S], big[1, 1, :B, :, :S]
+
+
+DECODE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DECODE_CASES = {  # name -> B, Hq, Hkv, D, S, lengths, num_splits, dtype, query scale
+    # one split: the output written directly, no merge; scores up to ~+-100 (no max subtracted
+    # would overflow exp)
+    "mha-1-split": (3, 2, 2, 64, 40, [1, 40, 17], 1, torch.float32, 30.0),
+    "gqa2-3-splits": (3, 4, 2, 128, 40, [40, 1, 33], 3, torch.float32, 1.0),
+    # 8 splits of 16 keys over 37: the last five are empty for every row
+    "gqa4-8-splits": (2, 8, 2, 64, 37, [37, 5], 8, torch.float16, 1.0),
+    "16/8-bf16": (2, 16, 8, 128, 50, [50, 2], 2, torch.bfloat16, 1.0),
+    "gqa16-1-split": (1, 16, 1, 64, 20, [20], 1, torch.float32, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_attention(q7, case):
+    """Against float64 on cache views: ragged lengths from 1 to S, GQA groups of 1 to 16, D = 64
+    and 128, one split, several, and splits with nothing to read."""
+    B, Hq, Hkv, D, S, lengths, splits, dtype, scale = DECODE_CASES[case]
+    q = gen64(B, Hq, D, seed=11) * scale
+    k, v = cache_views(B, Hkv, S, D, seed=12)
+    q, k, v = (x.to(DEVICE, dtype) for x in (q, k, v))
+    lengths = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = q7.decode_attention(q, k, v, lengths, num_splits=splits)
+    assert out.shape == (B, Hq, D) and out.dtype == dtype
+    error = (out.cpu().double() - decode_float64(q, k, v, lengths)).abs().max().item()
+    assert error < DECODE_TOL[dtype]
+
+
+def test_decode_attention_split_rule_and_edges(q7, monkeypatch):
+    """The split rule's count on an H200's 132 SMs (3 splits of 208 keys here); max_len below
+    the cache's length (the engine's kv_len); a length past max_len (clamped to it); a row of
+    length 0 (output 0); int64 lengths; a custom scale."""
+    monkeypatch.setattr(q7, "_num_sms", lambda device: 132)
+    q, (k, v) = gen64(3, 4, 64, seed=13), cache_views(3, 1, 620, 64, seed=14)
+    lengths = torch.tensor([600, 0, 700])
+    launched = []
+    monkeypatch.setattr(q7, "_decode_merge_kernel", MergeSpy(q7._decode_merge_kernel, launched))
+    out = q7.decode_attention(*(x.float().to(DEVICE) for x in (q, k, v)), lengths.to(DEVICE),
+                              max_len=600, sm_scale=0.2)
+    assert launched == [3]  # wanted: 4 * 132 / 3 programs; capped by 600 / 256 keys a split
+    expected = decode_float64(q * 0.2 * math.sqrt(64), k, v, lengths.clamp(max=600))
+    assert (out.cpu().double() - expected).abs().max().item() < 1e-5
+    assert out[1].abs().max().item() == 0
+
+
+class MergeSpy:
+    """Stands in for the merge kernel: records its SPLITS argument, then launches it."""
+
+    def __init__(self, kernel, record):
+        self.kernel, self.record = kernel, record
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.record.append(args[6])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_decode_split_rule(q7):
+    """Four programs an SM, at least 256 keys a split, at most 64 splits (132 SMs)."""
+    assert q7.decode_splits(64, 8, 4096, 132) == 2  # 512 programs < 528
+    assert q7.decode_splits(128, 8, 4096, 132) == 1
+    assert q7.decode_splits(1, 8, 4096, 132) == 16  # 256-key splits
+    assert q7.decode_splits(1, 8, 40960, 132) == 64  # 66 wanted
+    assert q7.decode_splits(1, 8, 100, 132) == 1
+
+
+DECODE_BAD = [  # (what changes, error, message)
+    (dict(q=("shape", (2, 4, 1, 64))), ValueError, r"q must be \(B, Hq, D\)"),
+    (dict(v_cache=("shape", (2, 2, 9, 64))), ValueError, r"one \(B, Hkv, S, D\) shape"),
+    (dict(q=("shape", (3, 4, 64))), ValueError, "disagree on B or D"),
+    (dict(lengths=("shape", (3,))), ValueError, "disagree on B or D"),
+    (dict(q=("shape", (2, 3, 64))), ValueError,
+     r"query heads \(3\) must be a multiple of kv heads \(2\)"),
+    (dict(q=("shape", (2, 4, 48)), k_cache=("shape", (2, 2, 8, 48)),
+          v_cache=("shape", (2, 2, 8, 48))), ValueError, "head size D=48 is not supported"),
+    (dict(k_cache=("dtype", torch.float16)), TypeError, "k_cache has dtype torch.float16"),
+    (dict(q=("dtype", torch.float64)), TypeError, "q has dtype torch.float64"),
+    (dict(lengths=("dtype", torch.float32)), TypeError, "lengths has dtype torch.float32"),
+    (dict(k_cache=("transpose",)), ValueError, "need a unit last stride"),
+    (dict(max_len=9), ValueError, r"max_len must be an int in \[1, S=8\], got 9"),
+    (dict(max_len=0), ValueError, r"max_len must be an int in \[1, S=8\], got 0"),
+    (dict(max_len=4.0), ValueError, r"max_len must be an int"),
+    (dict(num_splits=65), ValueError, r"num_splits must be an int in \[1, 64\] or None, got 65"),
+    (dict(num_splits=0), ValueError, "num_splits must be an int"),
+    (dict(sm_scale=-1.0), ValueError, "sm_scale must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("change, error, message", DECODE_BAD)
+def test_decode_attention_refuses_bad_inputs(q7, change, error, message):
+    args = dict(q=torch.ones(2, 4, 64), k_cache=torch.ones(2, 2, 8, 64),
+                v_cache=torch.ones(2, 2, 8, 64), lengths=torch.ones(2, dtype=torch.int32))
+    for name, how in change.items():
+        if name not in args:
+            args[name] = how
+        elif how[0] == "shape":
+            args[name] = torch.ones(how[1], dtype=args[name].dtype)
+        elif how[0] == "dtype":
+            args[name] = args[name].to(how[1])
+        else:  # a view whose last stride is not 1
+            args[name] = torch.ones(2, 2, 64, 8).transpose(-1, -2)
+    args = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in args.items()}
+    with pytest.raises(error, match=message):
+        q7.decode_attention(**args)
+
+
+@torch.no_grad()
+def test_cached_decode_on_the_kernel_matches_the_torch_path(q7, hf_dir, monkeypatch):
+    """The model's cached steps with kernels on (the decode kernel in every layer of every
+    one-token step) against the torch path: a ragged prefill, then steps at each row's own
+    position; logits within 1e-4."""
+    model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32)
+    seen = []
+    kernel = q7.decode_attention
+    monkeypatch.setattr(q7, "decode_attention",
+                        lambda q, k, v, lengths, max_len: seen.append((lengths.tolist(), max_len))
+                        or kernel(q, k, v, lengths, max_len, num_splits=2))
+    ids = torch.tensor([random_ids(12, seed=8), random_ids(12, seed=9)], device=DEVICE)  # (2, 12)
+    results = []
+    for on in (False, True):
+        model.use_kernels(on)
+        cache = q7.KVCache(model.cfg, rows=2, length=16, device=DEVICE, dtype=torch.float32)
+        model.hidden_states(ids[:, :7], cache=cache)  # row 1's prompt is 4 tokens, then padding
+        pos = torch.tensor([7, 4], device=DEVICE)
+        for _ in range(4):
+            step = ids[torch.arange(2), pos][:, None]  # (2, 1)
+            results.append(model(step, pos[:, None], cache, kv_len=int(pos.max()) + 1))
+            pos += 1
+    for torch_path, on_kernel in zip(results[:4], results[4:]):
+        assert (on_kernel - torch_path).abs().max().item() < 1e-4
+    layers = model.cfg.num_hidden_layers
+    assert seen == [([8 + i, 5 + i], 8 + i) for i in range(4) for _ in range(layers)]
+
+
+def test_bench_decode_attention_needs_a_gpu(q7, monkeypatch, capsys):
+    """--bench runs the decode-attention bench after the structured-output one; without CUDA it
+    says so and times nothing."""
+    monkeypatch.setattr(q7, "bench_structured", lambda *a, **k: print("structured bench ran"))
+    monkeypatch.setattr(q7, "decode_attention", lambda *a, **k: pytest.fail("timed on a CPU"))
+    q7.main(["--bench", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert out.index("structured bench ran") < out.index(
+        "decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not speed); "
+        "skipped")
+
+
 # ------------------------------------------------------------------------------ generation
 
 @torch.no_grad()
@@ -2170,3 +2338,25 @@ def check_on_the_gpu(q7, hf, folder):
     bf16 = q7.load_qwen3(folder, device="cuda", dtype=torch.bfloat16)
     logits = bf16(torch.tensor([PROMPTS[2] + PROMPTS[0]], device="cuda")).float().cpu()
     assert ((logits - expected).norm() / expected.norm()).item() < 3e-2
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_decode_attention_at_scale(q7):
+    """The bench's shape: batch 64, context 4,096, GQA 32/8, D=128, bf16, ragged rows (1 and
+    4,096 among them), with the split rule's count and forced ones, against torch's SDPA in
+    float32 on the same bf16 numbers."""
+    B, Hq, Hkv, S, D = 64, 32, 8, 4096, 128
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    lengths = torch.randint(1, S + 1, (B,), device="cuda", dtype=torch.int32, generator=gen)
+    lengths[:2] = torch.tensor([1, S])
+    visible = torch.arange(S, device="cuda") < lengths[:, None]  # (B, S)
+    expected = F.scaled_dot_product_attention(q.float()[:, :, None], k.float(), v.float(),
+                                              attn_mask=visible[:, None, None],
+                                              enable_gqa=True)[:, :, 0]  # (B, Hq, D)
+    for splits in (None, 1, 7, 64):
+        out = q7.decode_attention(q, k, v, lengths, num_splits=splits).float()
+        assert ((out - expected).norm() / expected.norm()).item() < 1e-2, splits
