@@ -77,7 +77,7 @@ import tempfile
 import time
 import unicodedata
 import warnings
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -2232,6 +2232,7 @@ def json_object(schema, where):
                      name in required) for name, sub in props.items())
     return Concat((literal("{"), Separated(members, literal(",")), literal("}")))
 
+
 # ----------------------------------------------------------------------------------------------
 # Tree → NFA over bytes (Thompson's construction), then → DFA (subset construction)
 # ----------------------------------------------------------------------------------------------
@@ -2281,14 +2282,13 @@ class ByteNFA:
             for part in node.parts:
                 start = self.add(part, start)
             return start
+        if isinstance(node, Repeat):
+            return self.add_repeat(node, start)
+        if isinstance(node, Separated):
+            return self.add_separated(node, start)
         end = self.new_state()
-        if isinstance(node, Alt):
-            for option in node.options:
-                self.eps[self.add(option, start)].append(end)
-        elif isinstance(node, Repeat):
-            self.eps[self.add_repeat(node, start)].append(end)
-        else:
-            self.eps[self.add_separated(node, start)].append(end)
+        for option in node.options:
+            self.eps[self.add(option, start)].append(end)
         return end
 
     def add_chars(self, node, start):
@@ -2497,56 +2497,41 @@ def _compile(kind, text):
 # `me"` (and its prefixes) survive. The bench prints what a state costs this way.
 
 class TokenTrie:
-    """The vocabulary's byte strings as a trie, stored level by level. Level d holds the nodes
-    whose prefix has d+1 bytes, in sorted order, so the children of one node are a contiguous
-    run of the next level:
+    """The vocabulary's byte strings as a trie, stored level by level. Level d holds the distinct
+    prefixes of d+1 bytes, sorted, so that the children of one node are a run of the next level:
         byte[d][n]                           the node's last byte
         first_child[d][n], n_children[d][n]  its children, in level d+1
         token[d][n]                          the token whose bytes end here, or V if none does
-    Built once per vocabulary (about a second for 151,936 tokens) and shared by every grammar."""
+    An id that spells the same bytes as an earlier one (alias_ids) takes its verdict (alias_of).
+    Built once per vocabulary (a second or two for 151,936 tokens), shared by every grammar."""
 
     def __init__(self, vocab):
         self.vocab, self.V = vocab, len(vocab)
-        levels = []                                # per depth: [bytes, parents, tokens]
-        path, prev, aliases = [], b"", []          # path: node index per depth of `prev`
-        for data, i in sorted((bytes(b), i) for i, b in enumerate(vocab) if b):
-            common, limit = 0, min(len(prev), len(data))
-            while common < limit and prev[common] == data[common]:
-                common += 1
-            if common == len(data) == len(prev):   # the same bytes as the previous token
-                aliases.append((i, levels[common - 1][2][path[-1]]))
-                continue
-            del path[common:]
-            for d in range(common, len(data)):
-                if d == len(levels):
-                    levels.append([[], [], []])
-                levels[d][0].append(data[d])
-                levels[d][1].append(path[d - 1] if d else 0)
-                levels[d][2].append(self.V)
-                path.append(len(levels[d][0]) - 1)
-            levels[len(data) - 1][2][path[-1]] = i
-            prev = data
-        self.byte = [np.array(b, dtype=np.int64) for b, _, _ in levels]
-        self.token = [np.array(t, dtype=np.int64) for _, _, t in levels]
-        self.first_child, self.n_children = [], []
-        for d in range(len(levels)):               # parents are sorted: children are runs
-            parents = np.array(levels[d + 1][1] if d + 1 < len(levels) else [], dtype=np.int64)
-            nodes = np.arange(len(levels[d][0]))
-            self.first_child.append(np.searchsorted(parents, nodes))
-            self.n_children.append(np.searchsorted(parents, nodes, side="right")
-                                   - self.first_child[-1])
-        aliases = np.array(aliases, dtype=np.int64).reshape(-1, 2)  # (duplicate id, first id)
-        self.alias_ids, self.alias_of = aliases[:, 0], aliases[:, 1]
-        self.check_all_bytes()
-
-    def check_all_bytes(self):
-        """Every byte must be a token of its own (true of every byte-level BPE): then every live
-        state allows some token, and a mask is never empty."""
-        singles = set(self.byte[0][self.token[0] < self.V].tolist()) if self.byte else set()
-        missing = sorted(set(range(256)) - singles)
+        first, aliases = {}, []  # bytes → the first id that spells them; (later id, first id)
+        for i, data in enumerate(vocab):
+            if data and first.setdefault(bytes(data), i) != i:
+                aliases.append((i, first[bytes(data)]))
+        # Every byte must be a token of its own (as in every byte-level BPE): then every live
+        # state allows some token, and a mask is never empty.
+        missing = sorted(set(range(256)) - {t[0] for t in first if len(t) == 1})
         if missing:
             raise GrammarError(f"the vocabulary lacks single-byte tokens for bytes {missing[:8]}"
                                f"{'...' if len(missing) > 8 else ''}")
+        aliases = np.array(aliases, dtype=np.int64).reshape(-1, 2)
+        self.alias_ids, self.alias_of = aliases[:, 0], aliases[:, 1]
+        levels, longer = [], list(first)
+        while longer:
+            levels.append(sorted({t[:len(levels) + 1] for t in longer}))
+            longer = [t for t in longer if len(t) > len(levels)]
+        self.byte = [np.array([p[-1] for p in level], dtype=np.int64) for level in levels]
+        self.token = [np.array([first.get(p, self.V) for p in level], dtype=np.int64)
+                      for level in levels]
+        self.first_child, self.n_children = [], []
+        for level, below in zip(levels, levels[1:] + [[]]):
+            counts = Counter(p[:-1] for p in below)
+            n = np.array([counts[p] for p in level], dtype=np.int64)
+            self.first_child.append(np.cumsum(n) - n)
+            self.n_children.append(n)
 
     def walk(self, trans, state):
         """(V + 1,) bool: the tokens whose every byte moves the DFA `trans` from `state` to a
@@ -2572,13 +2557,9 @@ class TokenTrie:
 
 
 class TokenMasker:
-    """One constraint over one vocabulary. A request's grammar state is one int, starting at
-    `start`; the masker maps states to masks and tokens to next states.
-
-    Masks are computed the first time a state is met and cached as (V,) bool tensors on
-    `device` (151,936 bytes each), so a state seen before costs a dict lookup, and the sampler
-    applies the mask with masked_fill on the device without a host sync. On a GPU the engine
-    can compute a new state's mask on the host while the forward pass runs."""
+    """One constraint over one vocabulary: a request's grammar state is one int, from `start`.
+    A state's mask is computed the first time it is met and cached on `device` as a (V,) bool
+    tensor, so a state seen before costs a dict lookup."""
 
     start = 0
 
@@ -2632,9 +2613,9 @@ def apply_token_masks(logits, masks):
 
 
 class GrammarCache:
-    """What the engine holds: the vocabulary's trie, built once, and the TokenMaskers of the
-    most recent `capacity` constraints, so that requests with the same schema share the masks
-    already computed. A request keeps its TokenMasker, so an eviction never disturbs one."""
+    """The engine's: the vocabulary's trie, built once, and the TokenMaskers of the `capacity`
+    most recent constraints, so that requests with the same constraint share their masks. A
+    request holds on to its TokenMasker, so an eviction never disturbs one."""
 
     def __init__(self, vocab, eos_ids, device="cpu", capacity=32):
         self.trie, self.eos_ids, self.device = TokenTrie(vocab), eos_ids, device
