@@ -78,6 +78,7 @@ import time
 import unicodedata
 import warnings
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -433,17 +434,14 @@ def save_qwen3(model, folder):
 #   model.merges   the learned pairs, first learned first ("Ġ t": glue "Ġ" and "t");
 #   normalizer     what happens to the text first (Qwen: NFC, so "e" + U+0301 and "é" are alike);
 #   pre_tokenizer  the regex that cuts text into chunks, as GPT-2's did;
-#   added_tokens   strings matched whole before BPE ever sees the text: <|im_start|>, <think>, ...
-#                  "special" ones are control tokens that decode may skip; the others are text.
+#   added_tokens   strings matched whole before BPE sees the text: <|im_start|>, <think>, ...;
+#                  "special" ones are control tokens that decode may skip.
 # tiktoken merges the adjacent pair whose joined bytes have the lowest id; Hugging Face merges the
-# pair that was learned first. In a vocabulary learned by BPE a token's id is the step that made
-# it, so the two orders are one: the vocabulary *is* tiktoken's ranks, and encoding runs in
-# tiktoken's Rust. `load_tokenizer` checks that order (each merge makes a larger id than the one
-# before it) and refuses what tiktoken cannot represent (another model type or decoder, merges out
-# of order, a normalizer other than NFC) rather than encode differently. Added tokens are matched
-# here, in Python, not as tiktoken's special tokens, because tokenizers matches them its own way:
-# every one, special or not, the longest at a place, some in the raw text, some after normalizing.
-# A file this stage cannot read, or a tokenizer it cannot represent, is a DataError naming it.
+# pair learned first. In a vocabulary learned by BPE a token's id is the step that made it, so the
+# two orders are one: the vocabulary *is* tiktoken's ranks, and encoding runs in tiktoken's Rust.
+# `load_tokenizer` checks that order and refuses, as a DataError naming the file, what tiktoken
+# cannot represent. Added tokens are matched here, in Python, the way tokenizers matches them:
+# the longest at a place, some in the raw text, some after normalizing.
 
 # GPT-2's pre-tokenizer: what tokenizers' ByteLevel pre-tokenizer applies when its use_regex is on.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -571,9 +569,7 @@ def _chat_template(model_dir, tok_config):
     """The chat template the directory declares, None for a base model. Transformers v5 writes it
     to chat_template.jinja, older versions into tokenizer_config.json."""
     path = model_dir / "chat_template.jinja"
-    template = tok_config.get("chat_template")
-    if path.is_file():
-        template = path.read_text(encoding="utf-8")
+    template = path.read_text("utf-8") if path.is_file() else tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template
@@ -646,16 +642,12 @@ def load_tokenizer(model_dir):
 class Tokenizer:
     """Text <-> ids for one model, the same ids as Hugging Face tokenizers' on every text.
 
-    encode(text) -> ids; decode(ids) -> text; decode_bytes(ids) -> bytes;
-    apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True) -> text.
-    eos_token_ids: frozenset of the ids that end generation.
-    token_bytes: id -> the bytes it decodes to, b"" for ids the tokenizer does not define.
-    special_ids: the special added tokens, which decode(ids, skip_special_tokens=True) drops.
-    chat_template: the model's Jinja chat template, read only to check that it is Qwen3's (None
-        for a base model, which is never chat-wrapped).
-    `load_tokenizer` builds it from: bpe, the tiktoken Encoding of the BPE alone; added,
-    {content: (id, special, normalized)}, the strings matched whole before BPE (normalized ones
-    in the normalized text); normalize, text -> text, applied to the text between added tokens.
+    eos_token_ids: the ids that end generation. token_bytes: id -> the bytes it decodes to (b""
+    for ids the tokenizer does not define). special_ids: the special added tokens, which decode
+    may skip. chat_template: the model's Jinja template, read only to check that it is Qwen3's
+    (None for a base model). Built by `load_tokenizer` from bpe, the tiktoken Encoding of the BPE
+    alone; added, {content: (id, special, normalized)}, the strings matched whole before BPE
+    (normalized ones in the normalized text); and normalize, applied between added tokens.
     """
 
     def __init__(self, bpe, token_bytes, added, normalize, eos_token_ids, chat_template):
@@ -668,8 +660,8 @@ class Tokenizer:
     @staticmethod
     def _matcher(tokens):
         """(regex, {content: id}) that finds these tokens in text, or None if there are none. The
-        longest comes first in the alternation, so that at one position the longest token wins,
-        as in tokenizers (where <think> and <thinking> could both start at one place)."""
+        longest comes first in the alternation: at one position the longest wins, as in
+        tokenizers."""
         if not tokens:
             return None
         alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
@@ -689,9 +681,8 @@ class Tokenizer:
                 yield piece, None
 
     def encode(self, text):
-        """The ids of `text`. Added tokens in it, special or not, become their ids (as in
-        tokenizers, so chat text from `apply_chat_template` encodes its control tokens). Lone
-        surrogates, which have no UTF-8, are repaired as tiktoken does (to U+FFFD)."""
+        """The ids of `text`, its added tokens included, special or not (as in tokenizers, so the
+        chat format's control tokens encode). Lone surrogates become U+FFFD, as in tiktoken."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         ids = []
@@ -711,9 +702,8 @@ class Tokenizer:
         return b"".join(table[i] for i in ids if 0 <= i < n and i not in skip)
 
     def decode(self, ids, skip_special_tokens=False):
-        """The text of `ids`. One token may hold part of a character's UTF-8, so the bytes of the
-        whole sequence are decoded at once; bytes that are still not UTF-8 become U+FFFD, as in
-        tokenizers."""
+        """The text of `ids`, decoded from the bytes of the whole sequence at once (a token may
+        hold part of a character); bytes that are not UTF-8 become U+FFFD, as in tokenizers."""
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages, add_generation_prompt=True, enable_thinking=True):
@@ -724,12 +714,10 @@ class Tokenizer:
             <|im_start|>assistant\\n                       (the generation prompt)
 
         messages: dicts with "role" (system, user or assistant) and "content" (str); an assistant
-            turn may carry "reasoning_content", else the <think>...</think> in its content is its
-            reasoning.
+            turn's reasoning is its "reasoning_content", else the <think>...</think> in its content,
+            and is shown only in the turns after the last user query (as Qwen3's template does).
         enable_thinking=False adds an empty <think>\\n\\n</think>\\n\\n after the generation prompt,
             which tells the model to answer without reasoning.
-        Reasoning is shown only in assistant turns after the last user query (the turns of the
-        answer being generated); earlier turns keep just their answer, as Qwen3's template does.
         """
         if self.chat_template is None:
             raise ValueError("this is a base model (no chat template in its tokenizer_config.json "
@@ -740,8 +728,7 @@ class Tokenizer:
         if not isinstance(add_generation_prompt, bool) or not isinstance(enable_thinking, bool):
             raise TypeError("add_generation_prompt and enable_thinking must be True or False")
         _check_messages(messages)
-        last_query = _last_query_index(messages)
-        turns = []
+        last_query, turns = _last_query_index(messages), []
         for i, message in enumerate(messages):
             content = message["content"]
             if message["role"] == "assistant":
@@ -1709,7 +1696,7 @@ class SamplingParams:
         need(self.seed is None or _is_int(self.seed) and 0 <= self.seed < 2**64, "seed",
              "must be an int in [0, 2**64) or None")
         ids = self.stop_token_ids
-        need(not isinstance(ids, (str, bytes)) and _iterable(ids) and all(
+        need(not isinstance(ids, (str, bytes)) and isinstance(ids, Iterable) and all(
             _is_int(i) and i >= 0 for i in ids), "stop_token_ids", "must be a list of token ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be True or False")
@@ -1727,14 +1714,6 @@ class SamplingParams:
             need(False, given[0], str(e))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-
-
-def _iterable(x):
-    try:
-        iter(x)
-    except TypeError:
-        return False
-    return True
 
 
 def filter_logits(logits, top_k, top_p, min_p):  # changed in 07: one value per row, and min-p
