@@ -1963,6 +1963,7 @@ REGEX_SUBSET = (r"characters, ., \d \w \s \D \W \S \n \t \r \xhh \uhhhh, escaped
 ASCII_CLASSES = {"d": [(0x30, 0x39)], "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
                  "s": [(0x09, 0x0D), (0x20, 0x20)]}
 CHAR_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D}
+HEX_ESCAPES = {"x": 2, "u": 4}  # the escape letter → how many hex digits follow
 HEX_DIGITS = "0123456789abcdefABCDEF"
 QUANTIFIER = re.compile(r"[*+?]|\{(\d+)(,?)(\d*)\}")
 ANY_BUT_NEWLINE = char_set([(0x0A, 0x0A)], negate=True)
@@ -2090,9 +2091,9 @@ class RegexParser:
             return char_set(ASCII_CLASSES[c.lower()], negate=c.isupper())
         if c in CHAR_ESCAPES:
             return CHAR_ESCAPES[c]
-        if c in ("x", "u"):
-            digits = self.pattern[self.pos:self.pos + (2 if c == "x" else 4)]
-            if len(digits) < (2 if c == "x" else 4) or not all(d in HEX_DIGITS for d in digits):
+        if c in HEX_ESCAPES:
+            digits = self.pattern[self.pos:self.pos + HEX_ESCAPES[c]]
+            if len(digits) < HEX_ESCAPES[c] or not all(d in HEX_DIGITS for d in digits):
                 raise self.error(f"bad escape \\{c}{digits}")
             self.pos += len(digits)
             return int(digits, 16)
@@ -3316,7 +3317,6 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
-
 
 
 def non_negative_float(text):
