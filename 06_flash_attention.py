@@ -1933,8 +1933,9 @@ _MATMUL_SHAPES = [((n, n, n), "nn", False) for n in (1024, 2048, 4096, 8192)] + 
 
 def _bench_matmul(shapes=_MATMUL_SHAPES, rounds=3):
     """bf16 matmul against cuBLAS (and, with the fused bias + GELU epilogue, against compiled
-    torch), launched from Python and replayed in a CUDA graph. Launched, a call costs ~90 us of
-    Python (autotuner lookup, launch, the wrapper's checks) against ~14 for torch's, which caps
+    torch), launched from Python and replayed in a CUDA graph. Launched, a call costs 90-125 us
+    of Python on the H200 (half of it Triton's autotuner lookup and launch, a quarter _mm's
+    layout checks and allocation, a sixth matmul's checks) against 15 for torch's, which caps
     the rate of small products whatever the kernel does; in a graph only the GPU's time counts.
     Each contender is timed `rounds` times, interleaved, and its median kept: one timing of
     cuBLAS at 4096^3 can move by 10% between back-to-back calls of do_bench."""
