@@ -1245,6 +1245,14 @@ def test_bench_decode_attention_needs_a_gpu(q7, monkeypatch, capsys):
 
 # ------------------------------------------------------------------------------ generation
 
+def hf_greedy(hf, prompt, max_new_tokens):
+    """transformers' greedy continuation of one prompt (token ids), the new ids only."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 @torch.no_grad()
 def test_greedy_tokens_equal_transformers_generate(q7, hf_dir):
     """Four prompts through two static batches (max_batch_size 2) against transformers' greedy
@@ -1254,11 +1262,9 @@ def test_greedy_tokens_equal_transformers_generate(q7, hf_dir):
     prompts = [*PROMPTS, random_ids(1, seed=4)]
     outputs = llm.generate(prompts, q7.SamplingParams(temperature=0, max_tokens=12))
     for prompt, out in zip(prompts, outputs):
-        ids = torch.tensor([prompt])
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.prompt_token_ids == prompt
-        assert out.token_ids == expected and out.finish_reason == "length" and out.text is None
+        assert out.token_ids == hf_greedy(hf, prompt, 12)
+        assert out.finish_reason == "length" and out.text is None
     assert len({tuple(out.token_ids) for out in outputs}) == 4
 
 
@@ -2328,10 +2334,7 @@ def check_on_the_gpu(q7, hf, folder):
     assert (llm.model(ids.cuda()).cpu() - expected).abs().max().item() < 1e-3
     outputs = llm.generate(PROMPTS, q7.SamplingParams(temperature=0, max_tokens=10))
     for prompt, out in zip(PROMPTS, outputs):
-        ids = torch.tensor([prompt])
-        reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
-                                do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == reference
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
     bf16 = q7.load_qwen3(folder, device="cuda", dtype=torch.bfloat16)
     logits = bf16(torch.tensor([PROMPTS[2] + PROMPTS[0]], device="cuda")).float().cpu()
     assert ((logits - expected).norm() / expected.norm()).item() < 3e-2
