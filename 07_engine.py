@@ -1102,6 +1102,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.kernels = False
+        self.gate_up_weight = None  # gate|up weights in one tensor, for fast_decode
 
     def forward(self, x):  # x (B, T, C)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
@@ -1730,6 +1731,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head_dim, self.layer = D, layer  # layer: which of the cache's layers is this one's
         self.kernels = False
+        self.qkv_weight = None  # q|k|v weights in one tensor, for fast_decode (fuse_projections)
 
     def forward(self, x, rope, cache=None, kv_len=None):
         """x (B, T, C) -> (B, T, C). rope: (cos, sin, positions) of the tokens. cache, kv_len: see
@@ -1791,6 +1793,7 @@ class Qwen3(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.kernels = False  # set by use_kernels; the engine's decode takes fast_decode then
 
     def use_kernels(self, on=True):
         """Run RMSNorm, SwiGLU and the prefill's attention on the Triton kernels (CUDA tensors, or
@@ -1892,6 +1895,247 @@ class KVCache:
     def read(self, layer, batch, kv_len):
         """Views, no copy: the first kv_len positions of rows 0..batch-1, (batch, Hkv, kv_len, D)."""
         return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 19. Fast decode: fewer kernels, replayed from a CUDA graph
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 07. A decode step at batch 1 has little to do: Qwen3-0.6B reads its 1.2 GB of
+# weights once, under 0.3 ms at an H200's copy bandwidth. The model's own path puts 851 kernels
+# and copies on the GPU for one step (three projections, two q/k norms, RoPE's cat, multiplies
+# and adds, two cache writes, the residual adds... in each of 28 layers), each launched from
+# Python for more host time than the GPU needs to run it. Two changes close most of the gap:
+# - Fewer kernels: q, k and v projected by one matmul over their concatenated weights
+#   (fuse_projections), gate and up by another; the residual add fused into the RMSNorm that
+#   reads its result (add_rms_norm); the q/k norms, RoPE and the cache write of k and v in one
+#   kernel (qk_norm_rope); SwiGLU reading the fused gate/up output (swiglu_halves). fast_decode
+#   is the whole step on them: 312 GPU ops for Qwen3-0.6B. It equals the model's path up to
+#   rounding: each kernel computes in fp32 and rounds once, where torch rounds after every op.
+#   The projections stay on cuBLAS: a Triton matrix-vector kernel split over rows and K matched
+#   it on Qwen3-8B's shapes and lost on 0.6B's down projection (18 us against 8).
+# - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
+#   (DecodeGraphs), whose replay launches all of it with one call. A graph replays fixed
+#   addresses and shapes: the ids and positions are copied into its input buffers, the cache is
+#   the same tensors throughout (KVCache), a batch is padded up to its bucket, and attention is
+#   bounded by the cache's length, each row's own length staying on the device.
+# What is left at batch 1 is the host: the graph's launch, the sampler and the token's trip to
+# the host take 0.3-0.6 ms a step during which the GPU waits (measured on the H200); the next
+# part's scheduler prepares step n + 1 while the GPU runs step n.
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ADD: tl.constexpr):
+    # One program a row. ADD: x += r first, rounded to x's dtype as torch's add rounds it and
+    # written back (x is the residual stream); then y = x * rstd * w, in fp32, rounded once.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(R + row * N + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(X + row * N + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """x += residual (in place; residual None: nothing added), then RMSNorm(x) * weight -> a new
+    tensor. x, residual (rows, N) contiguous, weight (N,)."""
+    _check_norm(x, weight, None)
+    if residual is not None:
+        _check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+    n_rows, n = x.view(-1, x.shape[-1]).shape
+    y = torch.empty_like(x)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_kernel[(n_rows,)](x, residual, weight, y, eps, N=n, BLOCK_N=block,
+                                    ADD=residual is not None, num_warps=min(16, max(1, block // 256)))
+    return y
+
+
+@triton.jit
+def _qk_norm_rope_kernel(QKV, POS, INV_FREQ, QW, KW, Q, K, V, eps, stride_kb, stride_kh,
+                         stride_kt, Hq: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr):
+    # One program per (row b, head): heads 0..Hq-1 of a QKV row (Hq + 2 Hkv heads of D values)
+    # are query heads, written to Q (B, Hq, D); the next Hkv key heads and the last Hkv value
+    # heads go into the layer's cache K, V (rows, Hkv, length, D) at position POS[b]. Queries and
+    # keys are normalized with their weight and rotated (RoPE, rotate-half: value i pairs with
+    # value i + D/2); values are copied as they are.
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    offs = tl.arange(0, HALF)
+    src = QKV + b * (Hq + 2 * Hkv) * D + head * D
+    x1 = tl.load(src + offs).to(tl.float32)  # values 0..D/2-1 of the head
+    x2 = tl.load(src + HALF + offs).to(tl.float32)  # values D/2..D-1
+    pos = tl.load(POS + b)
+    if head < Hq + Hkv:
+        if head < Hq:
+            w_ptr = QW
+        else:
+            w_ptr = KW
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        x1 = x1 * rstd * tl.load(w_ptr + offs).to(tl.float32)
+        x2 = x2 * rstd * tl.load(w_ptr + HALF + offs).to(tl.float32)
+        angle = pos.to(tl.float32) * tl.load(INV_FREQ + offs)  # fp32, as rope_cos_sin
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if head < Hq:
+        dst = Q + (b * Hq + head) * D
+    elif head < Hq + Hkv:
+        dst = K + b * stride_kb + (head - Hq) * stride_kh + pos * stride_kt
+    else:
+        dst = V + b * stride_kb + (head - Hq - Hkv) * stride_kh + pos * stride_kt
+    tl.store(dst + offs, x1.to(dst.dtype.element_ty))
+    tl.store(dst + HALF + offs, x2.to(dst.dtype.element_ty))
+
+
+def qk_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, k_cache, v_cache):
+    """One token a row: qkv (B, (Hq + 2 Hkv) * D) from the fused projection, positions (B,) on the
+    device. Normalizes and rotates the queries (returned, (B, Hq, D)) and keys, and writes keys
+    and values into k_cache, v_cache (rows >= B, Hkv, length, D; one layer of KVCache) at each
+    row's position."""
+    B, Hkv, D = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
+    Hq = qkv.shape[1] // D - 2 * Hkv
+    _check_tensor("qkv", qkv)
+    _check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), device=qkv.device)
+    if qkv.dim() != 2 or Hq < 1 or qkv.shape[1] != (Hq + 2 * Hkv) * D or positions.shape != (B,):
+        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} and positions "
+                         f"{tuple(positions.shape)} do not fit a cache of {Hkv} heads of {D}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.shape[0] < B:
+        raise ValueError("qk_norm_rope: k_cache and v_cache must be strided alike, with rows for "
+                         "the batch")
+    q = torch.empty(B, Hq, D, dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_kernel[(B, Hq + 2 * Hkv)](qkv, positions, inv_freq, q_weight, k_weight, q,
+                                            k_cache, v_cache, eps, *k_cache.stride()[:3],
+                                            Hq=Hq, Hkv=Hkv, D=D, num_warps=1)
+    return q
+
+
+@triton.jit
+def _swiglu_halves_kernel(GU, Y, n, BLOCK: tl.constexpr):
+    # GU (rows, 2n): gate | up side by side, as the fused projection writes them -> Y (rows, n)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(GU + row * 2 * n + offs, mask=offs < n).to(tl.float32)
+    u = tl.load(GU + row * 2 * n + n + offs, mask=offs < n).to(tl.float32)
+    tl.store(Y + row * n + offs, (g * _sigmoid(g) * u).to(Y.dtype.element_ty), mask=offs < n)
+
+
+def swiglu_halves(gate_up):
+    """silu(gate) * up for gate_up (rows, 2n) holding gate then up in each row -> (rows, n)."""
+    _check_tensor("gate_up", gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be (rows, 2n), got {tuple(gate_up.shape)}")
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    _swiglu_halves_kernel[(rows, triton.cdiv(n, 1024))](gate_up, y, n, BLOCK=1024, num_warps=4)
+    return y
+
+
+
+def _concatenate(*linears):
+    """One weight tensor for several nn.Linear that read the same input; each layer's weight
+    becomes a view of its rows, so the values, names and memory stay the same."""
+    with torch.no_grad():
+        fused = torch.cat([linear.weight for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def fuse_projections(model):
+    """Give every layer one q|k|v weight and one gate|up weight (the parameters become views of
+    them). Idempotent; done again where a parameter was replaced since (load_state_dict with
+    assign=True, .to() to another device or dtype). Returns the model."""
+    for block in model.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        if attn.qkv_weight is None or attn.q_proj.weight.data_ptr() != attn.qkv_weight.data_ptr():
+            attn.qkv_weight = _concatenate(attn.q_proj, attn.k_proj, attn.v_proj)
+        if mlp.gate_up_weight is None or mlp.gate_proj.weight.data_ptr() != mlp.gate_up_weight.data_ptr():
+            mlp.gate_up_weight = _concatenate(mlp.gate_proj, mlp.up_proj)
+    return model
+
+
+def fast_decode(model, ids, positions, cache):
+    """Logits (B, V) of one token a row, on the fused kernels: ids, positions (B,) on the device,
+    the keys and values of earlier positions in cache rows 0..B-1, this token's written at its
+    position. Attention spans the whole cache (max_len = cache.length), each row up to its own
+    position, so the step's launches do not depend on the positions: a graph can hold them.
+    Needs fuse_projections(model) first."""
+    cfg, B = model.cfg, ids.shape[0]
+    eps, D, C = cfg.rms_norm_eps, cfg.head_dim, cfg.hidden_size
+    x = model.model.embed_tokens(ids)  # (B, C): the residual stream, updated in place
+    h = None  # what the last sub-block adds to x
+    lengths = positions + 1  # (B,): keys each row attends to, this token's included
+    for layer, block in enumerate(model.model.layers):
+        attn, mlp = block.self_attn, block.mlp
+        k_cache, v_cache = cache.k[layer, :B], cache.v[layer, :B]  # (B, Hkv, length, D)
+        normed = add_rms_norm(x, h, block.input_layernorm.weight, eps)
+        q = qk_norm_rope(F.linear(normed, attn.qkv_weight), positions, model.inv_freq,
+                         attn.q_norm.weight, attn.k_norm.weight, eps, k_cache, v_cache)
+        out = decode_attention(q, k_cache, v_cache, lengths, cache.length)  # (B, Hq, D)
+        h = F.linear(out.view(B, -1), attn.o_proj.weight)  # (B, C)
+        normed = add_rms_norm(x, h, block.post_attention_layernorm.weight, eps)
+        h = F.linear(swiglu_halves(F.linear(normed, mlp.gate_up_weight)), mlp.down_proj.weight)
+    return model.logits(add_rms_norm(x, h, model.model.norm.weight, eps))
+
+
+def graph_bucket(batch):
+    """The batch size a graph is captured for: 1, 2, 4, 8, then multiples of 8 (vLLM's buckets),
+    so that a few graphs serve every batch and padding wastes at most 7 rows."""
+    return triton.next_power_of_2(batch) if batch <= 8 else triton.cdiv(batch, 8) * 8
+
+
+class DecodeGraphs:
+    """fast_decode captured in a CUDA graph per batch-size bucket, over one KVCache (whose rows
+    must cover the bucket). Each graph has its own input buffers (ids, positions) and output
+    (logits); a batch smaller than its bucket fills the rest with the rows of an earlier step,
+    which rewrite cache rows past the batch, unused."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache = fuse_projections(model), cache
+        self.graphs = {}  # bucket -> (graph, ids, positions, logits)
+
+    def __call__(self, ids, positions):
+        """Logits (B, V) of fast_decode(model, ids, positions, cache), from the bucket's graph."""
+        B = ids.shape[0]
+        bucket = graph_bucket(B)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket, ids, positions)
+        graph, ids_in, positions_in, logits = self.graphs[bucket]
+        ids_in[:B].copy_(ids)
+        positions_in[:B].copy_(positions)
+        graph.replay()
+        return logits[:B]
+
+    def _capture(self, bucket, ids, positions):
+        """Capture the bucket's graph. The warm-up run before it (which compiles and autotunes the
+        kernels, work a capture may not do) takes this step's own ids and positions, so the keys
+        and values it writes are the ones the replay writes again."""
+        if self.cache.rows < bucket:
+            raise ValueError(f"a CUDA graph for {bucket} rows needs a cache of as many rows, not "
+                             f"{self.cache.rows}")
+        ids_in = torch.zeros(bucket, dtype=torch.int64, device=ids.device)
+        positions_in = torch.zeros(bucket, dtype=torch.int64, device=ids.device)
+        ids_in[:ids.shape[0]].copy_(ids)
+        positions_in[:ids.shape[0]].copy_(positions)
+        side = torch.cuda.Stream(ids.device)  # warm-up off the main stream, as capture requires
+        side.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(side):
+            fast_decode(self.model, ids_in, positions_in, self.cache)
+        torch.cuda.current_stream(ids.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = fast_decode(self.model, ids_in, positions_in, self.cache)
+        return graph, ids_in, positions_in, logits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3014,16 +3258,19 @@ class Scheduler:
 class ModelRunner:
     """Turns a step's sequences into tensors, runs the model and samples. It owns the KV cache,
     allocated at a batch's prefill for the batch's longest possible sequence and reused by later
-    batches that fit in it, and the batch's sampling state."""
+    batches that fit in it, and the batch's sampling state. With the model on its kernels, decode
+    steps run fast_decode, replayed from CUDA graphs on a GPU unless enforce_eager."""
 
-    def __init__(self, model):
+    def __init__(self, model, enforce_eager=False):
         self.model = model
         self.device = model.inv_freq.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.vocab_size = model.cfg.vocab_size
+        self.enforce_eager = enforce_eager
         self.sampler = Sampler()
         self.cache = None
         self.sampling = None
+        self.graphs = None  # DecodeGraphs over the current cache
 
     @torch.inference_mode()
     def run(self, seqs, is_prefill):
@@ -3058,13 +3305,26 @@ class ModelRunner:
         """One token a row: each row's last token, at its position. A finished row repeats its
         last step (rewriting the same key and value), and its result is not used."""
         positions = [len(seq) - 1 for seq in seqs]
-        ids = torch.tensor([[seq.last_token] for seq in seqs], device=self.device)  # (B, 1)
-        pos = torch.tensor(positions, device=self.device)[:, None]  # (B, 1)
-        h = self.model.hidden_states(ids, pos, self.cache, kv_len=max(positions) + 1)  # (B, 1, C)
+        ids = torch.tensor([seq.last_token for seq in seqs], device=self.device)  # (B,)
+        pos = torch.tensor(positions, device=self.device)  # (B,)
+        if self.model.kernels and self._graphed():  # the fast step (19), from a CUDA graph
+            if self.graphs is None or self.graphs.cache is not self.cache:
+                self.graphs = DecodeGraphs(self.model, self.cache)
+            return self.graphs(ids, pos)
+        if self.model.kernels:
+            return fast_decode(fuse_projections(self.model), ids, pos, self.cache)
+        h = self.model.hidden_states(ids[:, None], pos[:, None], self.cache,
+                                     kv_len=max(positions) + 1)  # (B, 1, C)
         return self.model.logits(h[:, -1])  # (B, V)
 
+    def _graphed(self):
+        return self.device.type == "cuda" and not self.enforce_eager
+
     def _reserve(self, rows, length):
-        """A cache of at least rows x length positions: the current one when it is big enough."""
+        """A cache of at least rows x length positions: the current one when it is big enough.
+        Where decode runs from graphs, rows are rounded up to the batch's graph bucket."""
+        if self._graphed():
+            rows = graph_bucket(rows)
         cache = self.cache
         if cache is None or cache.rows < rows or cache.length < length:
             if cache is not None:
@@ -3091,8 +3351,8 @@ class ModelRunner:
 class LLMEngine:
     """Requests in, one step at a time, finished sequences out."""
 
-    def __init__(self, model, eos_token_ids, max_batch_size):
-        self.runner = ModelRunner(model)
+    def __init__(self, model, eos_token_ids, max_batch_size, enforce_eager=False):
+        self.runner = ModelRunner(model, enforce_eager)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.reset()
@@ -3131,10 +3391,11 @@ class LLM:
     the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
     device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
     limit: the model's max_position_embeddings). max_batch_size: sequences per batch.
+    enforce_eager: decode without CUDA graphs (vLLM's name), to compare or to debug.
     """
 
     def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
-                 max_batch_size=16, data_dir=None):
+                 max_batch_size=16, enforce_eager=False, data_dir=None):
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
                             f"{type(tokenizer).__name__}")
@@ -3162,7 +3423,9 @@ class LLM:
                              f"model's max_position_embeddings, {limit}")
         if not _is_int(max_batch_size) or max_batch_size < 1:
             raise ValueError(f"max_batch_size = {max_batch_size!r} must be a positive int")
-        self.engine = LLMEngine(self.model, eos_token_ids, max_batch_size)
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager = {enforce_eager!r} must be True or False")
+        self.engine = LLMEngine(self.model, eos_token_ids, max_batch_size, enforce_eager)
 
     def generate(self, prompts, sampling_params=None):
         """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
@@ -3357,6 +3620,150 @@ def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
     print(f"  mask, state seen before: {statistics.median(hits) * 1e6:8.2f} µs median, "
           f"{hits[int(0.99 * len(hits))] * 1e6:.2f} µs p99 (targets 100 µs, 1 ms)")
     return statistics.median(compile_times), statistics.median(first), statistics.median(hits)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 19. Fast decode: the bench (tokens/s and bandwidth, against transformers)
+# ----------------------------------------------------------------------------------------------
+# Random bf16 weights in the shapes of Qwen3-0.6B and Qwen3-8B (no download): decode speed
+# depends on the shapes only. A step reads every weight once (the embedding only for the rows it
+# looks up, unless it is also the output layer) and each row's cache: those bytes over the step
+# time, against the copy bandwidth measured in the same run, are the fraction of the hardware's
+# limit. transformers' generate runs the same shapes in the same process, with its default
+# (dynamic) cache and with its static cache, for which generate compiles the forward pass with
+# torch.compile itself.
+
+BENCH_MODELS = {"Qwen3-0.6B": Qwen3Config(),
+                "Qwen3-8B": Qwen3Config(hidden_size=4096, intermediate_size=12288,
+                                        num_hidden_layers=36, num_attention_heads=32,
+                                        tie_word_embeddings=False)}
+
+
+def random_model(cfg, device, dtype, seed=0):
+    """A Qwen3 of shape cfg with random weights (std 0.02, norms 1), built on the device."""
+    with torch.device("meta"):
+        model = Qwen3(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.use_kernels(device.type == "cuda").eval()
+
+
+def bytes_per_step(model, batch, context):
+    """Bytes a decode step reads at least: the weights (of the embedding, only the rows looked up
+    unless it is the output layer too) and `context` cached positions of every row."""
+    cfg = model.cfg
+    weights = sum(p.nbytes for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        weights -= model.model.embed_tokens.weight.nbytes
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * context * batch
+    return weights + kv * model.model.embed_tokens.weight.element_size()
+
+
+def gpu_ops(fn):
+    """How many kernels (and copies) one call of fn puts on the GPU, by the profiler."""
+    fn()  # compiled and autotuned outside the count
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def kernels_per_step(model, batch):
+    """GPU ops of one decode step on the model's path (its kernels, unfused) and on fast_decode."""
+    device = _device_of(model)
+    cache = KVCache(model.cfg, batch, 64, device, model.model.embed_tokens.weight.dtype)
+    ids = torch.zeros(batch, dtype=torch.int64, device=device)
+    pos = torch.full((batch,), 8, device=device)
+    with torch.inference_mode():
+        plain = gpu_ops(lambda: model.logits(model.hidden_states(ids[:, None], pos[:, None], cache,
+                                                                 kv_len=9)))
+        fast = gpu_ops(lambda: fast_decode(fuse_projections(model), ids, pos, cache))
+    return plain, fast
+
+
+def _timed(fn):
+    """Seconds of one call of fn after a first, untimed one (graph capture, compilation)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def engine_rate(model, batch, prompt_len, new_tokens):
+    """Decode tokens/s of LLM.generate: batch prompts of random ids, new_tokens each, greedy."""
+    llm = LLM(model, max_batch_size=batch)
+    prompts = random_prompts(model.cfg.vocab_size, [prompt_len] * batch, seed=batch)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    return batch * new_tokens / _timed(lambda: llm.generate(prompts, params))
+
+
+def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implementation):
+    """The same with transformers' Qwen3ForCausalLM.generate (random bf16 weights of cfg's shape)."""
+    import transformers  # the bench's baseline only: the stage itself does not need it
+    with torch.device(device):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config.from_dict(cfg.to_hf()))
+            hf.eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  cache_implementation=cache_implementation)
+    with torch.inference_mode():
+        return batch * new_tokens / _timed(lambda: hf.generate(ids, **kwargs))
+
+
+def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_tokens=128):
+    """Decode tokens/s (prefill included) and the bandwidth it implies, for each shape of
+    BENCH_MODELS and batch size, against transformers in the same run. Returns {(model, batch):
+    {"tok_s", "of_copy", "transformers", "transformers_static"}}, or None without a GPU."""
+    if device.type != "cuda":
+        print("decode bench: needs a CUDA GPU; skipped")
+        return None
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        transformers = None
+        print("(transformers is not installed: the baseline columns stay empty)")
+    copy_gbs = _bench_copy_gbs()
+    results = {}
+    for name, cfg in BENCH_MODELS.items():
+        model = random_model(cfg, device, torch.bfloat16)
+        plain, fast = kernels_per_step(model, 1)
+        print(f"\n{name} shape, bf16, random weights ({model.num_params() / 1e9:.2f}B parameters): "
+              f"{plain} GPU ops a decode step on the model's path, {fast} on fast_decode")
+        print(f"  {'batch':>5} | {'engine tok/s':>12} {'GB/s':>6} {'of copy':>7} | transformers "
+              f"{'default':>8} {'static+compile':>14} | {'x best':>6}")
+        context = prompt_len + new_tokens // 2  # the average row length over the run
+        for batch in batches:
+            tok_s = engine_rate(model, batch, prompt_len, new_tokens)
+            gbs = bytes_per_step(model, batch, context) * tok_s / batch / 1e9
+            results[name, batch] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs)
+        del model
+        torch.cuda.empty_cache()
+        for batch in batches:
+            row = results[name, batch]
+            for key, cache in (("transformers", None), ("transformers_static", "static")):
+                row[key] = (transformers_rate(cfg, device, batch, prompt_len, hf_tokens, cache)
+                            if transformers else float("nan"))
+                torch.cuda.empty_cache()
+            best = max(row["transformers"], row["transformers_static"])
+            print(f"  {batch:>5} | {row['tok_s']:>12,.0f} {row['of_copy'] * copy_gbs:>6,.0f} "
+                  f"{row['of_copy']:>7.0%} | {'':>12} {row['transformers']:>8,.0f} "
+                  f"{row['transformers_static']:>14,.0f} | {row['tok_s'] / best:>5.1f}x", flush=True)
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3693,6 +4100,7 @@ def main(argv=None):
     if args.bench:
         bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
         bench_decode_attention(torch.device(args.device))
+        bench_engine(torch.device(args.device))
         return
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone

@@ -1243,6 +1243,138 @@ def test_bench_decode_attention_needs_a_gpu(q7, monkeypatch, capsys):
         "skipped")
 
 
+# -- fast decode: fused kernels and CUDA graphs ------------------------------------------------
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("add", [False, True])
+def test_add_rms_norm_kernel(q7, dtype, tol, add):
+    """x += r (rounded to x's dtype, as torch's add), then RMSNorm of the sum; odd width 48."""
+    x, r, w = gen64(3, 48, seed=1) * 3 + 0.5, gen64(3, 48, seed=2), gen64(48, seed=3)
+    x_in, r_in = x.to(DEVICE, dtype), r.to(DEVICE, dtype)
+    total = (x_in + r_in if add else x_in).double().cpu()  # the stream as torch rounds it
+    expected = total / torch.sqrt(total.pow(2).mean(-1, keepdim=True) + 0.05) * w
+    y = q7.add_rms_norm(x_in, r_in if add else None, w.to(DEVICE, dtype), 0.05).cpu()
+    # the residual stream, updated in place: exact, but for the interpreter's bf16 rounding (it
+    # truncates where the GPU rounds to nearest: one unit in the last place)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 and q7.INTERPRET else 0.0
+    torch.testing.assert_close(x_in.cpu().double(), total, rtol=ulp, atol=0)
+    assert ((y.double() - expected).norm() / expected.norm()).item() < tol
+
+
+def qk_norm_rope_float64(qkv, positions, inv_freq, q_w, k_w, eps, Hq, Hkv, D):
+    """The model's path for one token a row, in float64: per-head RMSNorm, rotate-half RoPE."""
+    heads = qkv.double().view(qkv.shape[0], Hq + 2 * Hkv, D)
+    q, k, v = heads[:, :Hq], heads[:, Hq:Hq + Hkv], heads[:, Hq + Hkv:]
+
+    def norm_rope(x, w):
+        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        angles = positions.double()[:, None] * inv_freq.double()  # (B, D/2)
+        cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
+        return x * cos + torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1) * sin
+
+    return norm_rope(q, q_w), norm_rope(k, k_w), v
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_qk_norm_rope_kernel(q7, dtype, tol):
+    """Queries returned, keys and values written into a strided cache layer at each row's
+    position (rows past the batch and other positions untouched), against float64."""
+    B, Hq, Hkv, D, eps = 3, 4, 2, 32, 0.05
+    qkv = gen64(B, (Hq + 2 * Hkv) * D, seed=4) * 2
+    q_w, k_w = gen64(D, seed=5) + 1, gen64(D, seed=6) + 1
+    positions = torch.tensor([0, 17, 5])
+    inv_freq = 1.0 / 500.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    cache = torch.zeros(2, 4, Hkv, 20, D, device=DEVICE, dtype=dtype)  # (k|v, rows, Hkv, length, D)
+    q = q7.qk_norm_rope(qkv.to(DEVICE, dtype), positions.to(DEVICE), inv_freq.to(DEVICE),
+                        q_w.to(DEVICE, dtype), k_w.to(DEVICE, dtype), eps, cache[0], cache[1])
+    eq, ek, ev = qk_norm_rope_float64(qkv.to(dtype), positions, inv_freq, q_w.to(dtype),
+                                      k_w.to(dtype), eps, Hq, Hkv, D)
+    assert q.shape == (B, Hq, D) and q.dtype == dtype
+    assert ((q.cpu().double() - eq).norm() / eq.norm()).item() < tol
+    rows = torch.arange(B)
+    k, v = cache[0][rows, :, positions].cpu(), cache[1][rows, :, positions].cpu()  # (B, Hkv, D)
+    assert ((k.double() - ek).norm() / ek.norm()).item() < tol
+    assert torch.equal(v.double(), ev)
+    written = torch.zeros(4, 20, dtype=torch.bool)
+    written[rows, positions] = True
+    assert cache.cpu().permute(1, 3, 0, 2, 4)[~written].abs().max() == 0  # nothing else written
+
+
+def test_swiglu_halves_kernel(q7):
+    gu = gen64(5, 2 * 1100, seed=7) * 4  # more than one block a row
+    y = q7.swiglu_halves(gu.float().to(DEVICE)).cpu()
+    g, u = gu[:, :1100], gu[:, 1100:]
+    assert ((y.double() - F.silu(g) * u).abs().max()).item() < 1e-5
+
+
+def test_fused_kernels_refuse_bad_inputs(q7):
+    ones = functools.partial(torch.ones, device=DEVICE)
+    with pytest.raises(ValueError, match=r"residual \(2, 5\) and x \(2, 4\) differ"):
+        q7.add_rms_norm(ones(2, 4), ones(2, 5), ones(4), 1e-6)
+    with pytest.raises(TypeError, match="residual has dtype torch.float16"):
+        q7.add_rms_norm(ones(2, 4), ones(2, 4, dtype=torch.float16), ones(4), 1e-6)
+    cache = ones(2, 2, 8, 32)
+    with pytest.raises(ValueError, match=r"qkv \(2, 100\) and positions \(2,\) do not fit"):
+        q7.qk_norm_rope(ones(2, 100), ones(2, dtype=torch.int64), ones(16), ones(32), ones(32),
+                        1e-6, cache, cache)
+    with pytest.raises(ValueError, match="rows for the batch"):
+        q7.qk_norm_rope(ones(3, 256), ones(3, dtype=torch.int64), ones(16), ones(32), ones(32),
+                        1e-6, cache, cache)
+    with pytest.raises(ValueError, match=r"gate_up must be \(rows, 2n\)"):
+        q7.swiglu_halves(ones(2, 5))
+
+
+def test_fuse_projections_keeps_the_parameters(q7, hf_dir):
+    """The fused weights are the parameters' own memory: same names, values and count; a
+    replaced parameter is noticed and fused again."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    count = model.num_params()
+    q7.fuse_projections(model)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert attn.qkv_weight.shape == (128 + 2 * 64, 48) and mlp.gate_up_weight.shape == (160, 48)
+    assert attn.v_proj.weight.data_ptr() == attn.qkv_weight[192:].data_ptr()
+    state = model.state_dict()
+    assert state.keys() == before.keys() and model.num_params() == count
+    assert all(torch.equal(state[name], before[name]) for name in before)
+    fused = attn.qkv_weight
+    assert q7.fuse_projections(model).model.layers[1].self_attn.qkv_weight is fused  # idempotent
+    model.load_state_dict({name: t + 1 for name, t in before.items()}, assign=True)
+    q7.fuse_projections(model)
+    assert torch.equal(attn.qkv_weight[:128], before["model.layers.1.self_attn.q_proj.weight"] + 1)
+
+
+@torch.no_grad()
+def test_fast_decode_matches_the_model_path(q7, hf_dir):
+    """fast_decode on the kernels (interpreter) against the model's torch path: a ragged prefill
+    into two caches, then five one-token steps at each row's own position, in a cache longer than
+    the rows (attention bounded by the cache's length, each row by its own); logits within 1e-4,
+    and the caches alike."""
+    model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32)
+    ids = torch.tensor([random_ids(12, seed=8), random_ids(12, seed=9)], device=DEVICE)
+    caches = [q7.KVCache(model.cfg, rows=2, length=24, device=DEVICE, dtype=torch.float32)
+              for _ in range(2)]
+    for cache in caches:
+        model.use_kernels(False).hidden_states(ids[:, :7], cache=cache)  # row 1: 4 tokens, padding
+    q7.fuse_projections(model.use_kernels(True))
+    pos = torch.tensor([7, 4], device=DEVICE)
+    for _ in range(5):
+        step = ids[torch.arange(2), pos]  # (2,)
+        fast = q7.fast_decode(model, step, pos, caches[1])
+        model.use_kernels(False)
+        expected = model(step[:, None], pos[:, None], caches[0], kv_len=int(pos.max()) + 1)[:, 0]
+        model.use_kernels(True)
+        assert (fast - expected).abs().max().item() < 1e-4
+        pos += 1
+    for name in ("k", "v"):
+        assert (getattr(caches[0], name) - getattr(caches[1], name)).abs().max().item() < 1e-5
+
+
+def test_graph_buckets(q7):
+    assert [q7.graph_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 100)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 24, 104]
+
+
 # ------------------------------------------------------------------------------ generation
 
 def hf_greedy(hf, prompt, max_new_tokens):
@@ -2360,3 +2492,88 @@ def test_gpu_decode_attention_at_scale(q7):
     for splits in (None, 1, 7, 64):
         out = q7.decode_attention(q, k, v, lengths, num_splits=splits).float()
         assert ((out - expected).norm() / expected.norm()).item() < 1e-2, splits
+
+
+def small_cuda_model(q7, dtype):
+    """A random Qwen3 with the real head size (D=128) and a GQA group of 4, on the GPU."""
+    cfg = q7.Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=640,
+                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    model = q7.random_model(cfg, torch.device("cuda"), dtype)
+    with torch.no_grad():  # larger weights than the bench's, so that the logits are not all ~0
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(10)
+    return model
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_graph_replay_equals_eager_fast_decode(q7):
+    """DecodeGraphs against fast_decode run eagerly on twin caches: bitwise equal logits and
+    caches, for a batch of 3 (bucket 4, one padded row) and then of 1, over several steps; and
+    fast_decode no further from the model's torch path in float32 than that path is in bf16."""
+    model = small_cuda_model(q7, torch.bfloat16)
+    fp32 = copy.deepcopy(model).float().use_kernels(False)  # the reference
+    fp32.inv_freq = model.inv_freq
+    ids = torch.randint(0, 1000, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    caches = [q7.KVCache(model.cfg, rows=4, length=64, device="cuda", dtype=dtype)
+              for dtype in (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)]
+    for cache in caches[:3]:
+        model.hidden_states(ids[:, :20], cache=cache)
+    fp32.hidden_states(ids[:, :20], cache=caches[3])
+    graphs = q7.DecodeGraphs(model, caches[0])
+    for batch, steps in ((3, 3), (1, 2)):
+        pos = torch.arange(20, 20 + batch, device="cuda")  # rows at different positions
+        for _ in range(steps):
+            step = ids[torch.arange(batch, device="cuda"), pos]
+            graphed = graphs(step, pos).clone()
+            eager = q7.fast_decode(model, step, pos, caches[1])
+            assert torch.equal(graphed, eager)
+            kv_len = int(pos.max()) + 1
+            expected = fp32(step[:, None], pos[:, None], caches[3], kv_len=kv_len)[:, 0]
+            model.use_kernels(False)
+            torch_bf16 = model(step[:, None], pos[:, None], caches[2], kv_len=kv_len)[:, 0]
+            model.use_kernels(True)
+            errors = [((x.float() - expected).norm() / expected.norm()).item()
+                      for x in (eager, torch_bf16)]
+            assert errors[0] < 1.5 * errors[1] + 1e-3, errors
+            pos += 1
+    assert sorted(graphs.graphs) == [1, 4]
+    assert torch.equal(caches[0].k[:, :3], caches[1].k[:, :3])
+    assert torch.equal(caches[0].v[:, :3], caches[1].v[:, :3])
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_engine_with_graphs_equals_enforce_eager(q7):
+    """LLM.generate with CUDA graphs against enforce_eager on the same model: identical tokens
+    and logprobs, greedy and seeded, over batches that fill a bucket and that do not."""
+    model = small_cuda_model(q7, torch.bfloat16)
+    prompts = [random_ids(n, vocab=1000, seed=n) for n in (5, 17, 9)]
+    graphed = q7.LLM(model, max_batch_size=3)
+    eager = q7.LLM(model, max_batch_size=3, enforce_eager=True)
+    for params in (q7.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+                   [q7.SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12,
+                                      ignore_eos=True, logprobs=0) for i in range(3)]):
+        for batch in (prompts, prompts[:1]):
+            ours = graphed.generate(batch, params if isinstance(params, q7.SamplingParams)
+                                    else params[:len(batch)])
+            theirs = eager.generate(batch, params if isinstance(params, q7.SamplingParams)
+                                    else params[:len(batch)])
+            assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+            assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
+    assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+
+
+@pytest.mark.gpu
+def test_gpu_bench_engine_runs(q7, monkeypatch, capsys):
+    """bench_engine end to end on a small shape: every column filled, rates positive, and the
+    bandwidth below what the copy reached (it is a lower bound on bytes moved)."""
+    monkeypatch.setattr(q7, "BENCH_MODELS", {"small": small_cuda_model(q7, torch.bfloat16).cfg})
+    results = q7.bench_engine(torch.device("cuda"), batches=(1, 2), new_tokens=8, hf_tokens=4)
+    out = capsys.readouterr().out
+    assert "GPU ops a decode step on the model's path" in out
+    for row in results.values():
+        assert row["tok_s"] > 0 and row["transformers"] > 0 and row["transformers_static"] > 0
+        assert 0 < row["of_copy"] < 1.2
