@@ -661,31 +661,19 @@ class Tokenizer:
         self.bpe, self.token_bytes, self.normalize = bpe, token_bytes, normalize
         self.eos_token_ids, self.chat_template = frozenset(eos_token_ids), chat_template
         self.special_ids = frozenset(i for i, special, _ in added.values() if special)
-        self._raw = self._matcher({c: i for c, (i, _, n) in added.items() if not n})
-        self._normalized = self._matcher({c: i for c, (i, _, n) in added.items() if n})
+        self._added_id = {content: i for content, (i, _, _) in added.items()}
+        self._raw = self._splitter([c for c, (_, _, norm) in added.items() if not norm])
+        self._normalized = self._splitter([c for c, (_, _, norm) in added.items() if norm])
 
     @staticmethod
-    def _matcher(tokens):
-        """(regex, {content: id}) that finds these tokens in text, or None if there are none. The
+    def _splitter(tokens):
+        """A function that cuts text at these tokens into [text, token, text, ..., text]. The
         longest comes first in the alternation: at one position the longest wins, as in
         tokenizers."""
         if not tokens:
-            return None
+            return lambda text: [text]
         alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
-        return re.compile(f"({alternation})"), tokens
-
-    @staticmethod
-    def _split(text, matcher):
-        """(piece, None) for text between added tokens, (None, id) for each added token."""
-        if matcher is None:
-            yield text, None
-            return
-        regex, tokens = matcher
-        for k, piece in enumerate(regex.split(text)):  # odd pieces are the captured tokens
-            if k % 2:
-                yield None, tokens[piece]
-            elif piece:
-                yield piece, None
+        return re.compile(f"({alternation})").split  # the group keeps the tokens in the list
 
     def encode(self, text):
         """The ids of `text`, its added tokens included, special or not (as in tokenizers, so the
@@ -693,12 +681,12 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         ids = []
-        for raw, token in self._split(text, self._raw):
-            if token is not None:
-                ids.append(token)
+        for k, raw in enumerate(self._raw(text)):  # odd pieces are added tokens
+            if k % 2:
+                ids.append(self._added_id[raw])
                 continue
-            for piece, token in self._split(self.normalize(raw), self._normalized):
-                ids.extend(self.bpe.encode_ordinary(piece) if token is None else (token,))
+            for j, piece in enumerate(self._normalized(self.normalize(raw))):
+                ids.extend([self._added_id[piece]] if j % 2 else self.bpe.encode_ordinary(piece))
         return ids
 
     def decode_bytes(self, ids, skip_special_tokens=False):
@@ -2183,19 +2171,13 @@ def char_set(ranges, negate=False):
             merged[-1][1] = max(merged[-1][1], hi)
         else:
             merged.append([lo, hi])
-    if negate:
-        gaps, nxt = [], 0
-        for lo, hi in merged:
-            if lo > nxt:
-                gaps.append([nxt, lo - 1])
-            nxt = hi + 1
-        merged = gaps + ([[nxt, MAX_CODE_POINT]] if nxt <= MAX_CODE_POINT else [])
-    out = []
-    for lo, hi in merged:  # each range minus the surrogate block: the part below and above it
-        for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
-            if a <= b:
-                out.append((a, b))
-    return Chars(tuple(out))
+    if negate:  # the gaps: before the first range, between two, after the last
+        bounds = [-1, *(x for pair in merged for x in pair), MAX_CODE_POINT + 1]
+        merged = [(hi + 1, lo - 1) for hi, lo in zip(bounds[::2], bounds[1::2])]
+    # each range minus the surrogate block: the part below it and the part above it (empty
+    # pieces, lo > hi, are dropped)
+    pieces = [p for lo, hi in merged for p in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi))]
+    return Chars(tuple((lo, hi) for lo, hi in pieces if lo <= hi))
 
 
 def chars(text):
@@ -2520,6 +2502,14 @@ class ByteNFA:
         self.edges.append([])
         return len(self.eps) - 1
 
+    def join(self, states):
+        """A new state that each of `states` (None: absent) leads to without reading a byte."""
+        end = self.new_state()
+        for s in states:
+            if s is not None:
+                self.eps[s].append(end)
+        return end
+
     def add(self, node, start):
         """Add `node`'s states, entered at `start`; returns the state where the node is matched.
         No construction loops back to its `start`, so alternatives may share it."""
@@ -2533,10 +2523,7 @@ class ByteNFA:
             return self.add_repeat(node, start)
         if isinstance(node, Separated):
             return self.add_separated(node, start)
-        end = self.new_state()
-        for option in node.options:
-            self.eps[self.add(option, start)].append(end)
-        return end
+        return self.join([self.add(option, start) for option in node.options])
 
     def add_chars(self, node, start):
         """One character as UTF-8: a byte-range chain per sequence; chains with the same tail
@@ -2560,43 +2547,27 @@ class ByteNFA:
         for _ in range(node.lo):
             start = self.add(node.node, start)
         if node.hi is None:  # a fresh loop state, so the loop cannot re-enter what led here
-            loop = self.new_state()
-            self.eps[start].append(loop)
+            loop = self.join([start])
             self.eps[self.add(node.node, loop)].append(loop)
             return loop
-        stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to `end`
+        stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to the end
         for _ in range(node.hi - node.lo):
             stops.append(start)
             start = self.add(node.node, start)
-        end = self.new_state()
-        for s in stops + [start]:
-            self.eps[s].append(end)
-        return end
+        return self.join(stops + [start])
 
     def add_separated(self, node, start):
         """Two states per item boundary: `empty` (nothing written yet: no separator needed) and
         `some` (an item written: the next needs a separator). Each item is built once."""
         empty, some = start, None
         for item, required in node.items:
-            entry = self.new_state()
-            if empty is not None:
-                self.eps[empty].append(entry)
-            if some is not None:
-                self.eps[self.add(node.sep, some)].append(entry)
-            done = self.add(item, entry)
+            after_sep = None if some is None else self.add(node.sep, some)
+            done = self.add(item, self.join([empty, after_sep]))
             if required:
                 empty, some = None, done
             else:  # skipping the item keeps both states; writing it leads to `some`
-                merged = self.new_state()
-                for s in (done, some):
-                    if s is not None:
-                        self.eps[s].append(merged)
-                some = merged
-        end = self.new_state()
-        for s in (empty, some):
-            if s is not None:
-                self.eps[s].append(end)
-        return end
+                some = self.join([done, some])
+        return self.join([empty, some])
 
 
 class ByteDFA:
