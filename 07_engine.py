@@ -2596,21 +2596,17 @@ class ByteDFA:
 def determinize(nfa):
     """Subset construction: a DFA state is the set of NFA states the bytes so far can reach.
     The bytes leaving a set are cut at every edge's ends into intervals that all move alike."""
-    closures = {}
+    @functools.cache
+    def closure(states):  # the DFA state of a frozenset of NFA states: all they reach by eps
+        seen, stack = set(states), list(states)
+        while stack:
+            for t in nfa.eps[stack.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return frozenset(seen)
 
-    def closure(states):  # the DFA state of an NFA state set: everything reachable by eps
-        key = frozenset(states)
-        if key not in closures:
-            seen, stack = set(key), list(key)
-            while stack:
-                for t in nfa.eps[stack.pop()]:
-                    if t not in seen:
-                        seen.add(t)
-                        stack.append(t)
-            closures[key] = frozenset(seen)
-        return closures[key]
-
-    sets = [closure([nfa.start])]
+    sets = [closure(frozenset([nfa.start]))]
     index, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
         edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
@@ -2619,7 +2615,7 @@ def determinize(nfa):
         for a, b in zip(cuts, cuts[1:]):
             targets = [t for lo, hi, t in edges if lo <= a <= hi]
             if targets:
-                target = closure(targets)
+                target = closure(frozenset(targets))
                 if target not in index:
                     if len(sets) == MAX_DFA_STATES:
                         raise GrammarError(f"the automaton exceeds {MAX_DFA_STATES:,} states; "
@@ -2648,11 +2644,10 @@ def trim(trans, accepting):
                 stack.append(s)
     if not live[0]:
         raise GrammarError("the constraint matches no text at all")
-    new_id = np.cumsum(live) - 1              # old state → new state, for the live ones
-    ok = trans >= 0
-    ok[ok] = live[trans[ok]]
-    trans = np.where(ok, new_id[np.maximum(trans, 0)], DEAD).astype(np.int32)
-    return ByteDFA(trans[live], accepting[live])
+    # old state → new state, DEAD for a removed one; one more DEAD at the end, where trans's
+    # DEAD (-1) indexes
+    new_id = np.append(np.where(live, np.cumsum(live) - 1, DEAD), DEAD).astype(np.int32)
+    return ByteDFA(new_id[trans][live], accepting[live])
 
 
 def constraint_key(regex=None, choice=None, json_schema=None):
