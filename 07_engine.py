@@ -2328,7 +2328,7 @@ class RegexParser:
         return self.escape() if c == "\\" else ord(c)
 
     def escape(self):
-        """What follows a backslash: Chars for \\d \\w \\s and their negations, else a code point."""
+        """What a backslash starts: Chars for \\d \\w \\s and their negations, else a code point."""
         start, c = self.pos - 1, self.take()
         if c.lower() in ASCII_CLASSES:
             return char_set(ASCII_CLASSES[c.lower()], negate=c.isupper())
