@@ -661,31 +661,19 @@ class Tokenizer:
         self.bpe, self.token_bytes, self.normalize = bpe, token_bytes, normalize
         self.eos_token_ids, self.chat_template = frozenset(eos_token_ids), chat_template
         self.special_ids = frozenset(i for i, special, _ in added.values() if special)
-        self._raw = self._matcher({c: i for c, (i, _, n) in added.items() if not n})
-        self._normalized = self._matcher({c: i for c, (i, _, n) in added.items() if n})
+        self._added_id = {content: i for content, (i, _, _) in added.items()}
+        self._raw = self._splitter([c for c, (_, _, norm) in added.items() if not norm])
+        self._normalized = self._splitter([c for c, (_, _, norm) in added.items() if norm])
 
     @staticmethod
-    def _matcher(tokens):
-        """(regex, {content: id}) that finds these tokens in text, or None if there are none. The
+    def _splitter(tokens):
+        """A function that cuts text at these tokens into [text, token, text, ..., text]. The
         longest comes first in the alternation: at one position the longest wins, as in
         tokenizers."""
         if not tokens:
-            return None
+            return lambda text: [text]
         alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
-        return re.compile(f"({alternation})"), tokens
-
-    @staticmethod
-    def _split(text, matcher):
-        """(piece, None) for text between added tokens, (None, id) for each added token."""
-        if matcher is None:
-            yield text, None
-            return
-        regex, tokens = matcher
-        for k, piece in enumerate(regex.split(text)):  # odd pieces are the captured tokens
-            if k % 2:
-                yield None, tokens[piece]
-            elif piece:
-                yield piece, None
+        return re.compile(f"({alternation})").split  # the group keeps the tokens in the list
 
     def encode(self, text):
         """The ids of `text`, its added tokens included, special or not (as in tokenizers, so the
@@ -693,12 +681,12 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         ids = []
-        for raw, token in self._split(text, self._raw):
-            if token is not None:
-                ids.append(token)
+        for k, raw in enumerate(self._raw(text)):  # odd pieces are added tokens
+            if k % 2:
+                ids.append(self._added_id[raw])
                 continue
-            for piece, token in self._split(self.normalize(raw), self._normalized):
-                ids.extend(self.bpe.encode_ordinary(piece) if token is None else (token,))
+            for j, piece in enumerate(self._normalized(self.normalize(raw))):
+                ids.extend([self._added_id[piece]] if j % 2 else self.bpe.encode_ordinary(piece))
         return ids
 
     def decode_bytes(self, ids, skip_special_tokens=False):
@@ -735,7 +723,14 @@ class Tokenizer:
         if not isinstance(add_generation_prompt, bool) or not isinstance(enable_thinking, bool):
             raise TypeError("add_generation_prompt and enable_thinking must be True or False")
         _check_messages(messages)
-        last_query, turns = _last_query_index(messages), []
+        # Reasoning shows only in the turns after the last query: a user turn that is not a tool
+        # result passed back (with no query, in none).
+        last_query, turns = len(messages) - 1, []
+        for i, message in enumerate(messages):
+            text = message["content"]
+            if message["role"] == "user" and not (text.startswith("<tool_response>")
+                                                  and text.endswith("</tool_response>")):
+                last_query = i
         for i, message in enumerate(messages):
             content = message["content"]
             if message["role"] == "assistant":
@@ -761,18 +756,6 @@ def _check_messages(messages):
             raise ValueError(f"message {n}: tool_calls are not supported")
         if not isinstance(message.get("reasoning_content", ""), (str, type(None))):
             raise ValueError(f"message {n}: reasoning_content must be a str")
-
-
-def _last_query_index(messages):
-    """The index of the last user turn that is a query, not a tool result passed back as a user
-    turn; the last index if there is none (then no assistant turn shows its reasoning)."""
-    for i in reversed(range(len(messages))):
-        content = messages[i]["content"]
-        is_tool_result = (content.startswith("<tool_response>")
-                          and content.endswith("</tool_response>"))
-        if messages[i]["role"] == "user" and not is_tool_result:
-            return i
-    return len(messages) - 1
 
 
 def _assistant_text(message, after_last_query, is_last):
@@ -844,15 +827,14 @@ def byte_level_bpe_json(ranks, added):
             merges.append([spell(parts[0]), spell(parts[1])])
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": True}
-    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+    # The BPE model's other options (dropout, byte_fallback, ...) are left to tokenizers'
+    # defaults, which are byte-level BPE's; an added token must spell out all of its flags.
+    return {"version": "1.0", "normalizer": None, "pre_tokenizer": byte_level,
+            "decoder": byte_level,
             "added_tokens": [{"id": i, "content": content, "special": special, "normalized": False,
                               "single_word": False, "lstrip": False, "rstrip": False}
                              for i, content, special in added],
-            "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False,
-                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                      "byte_fallback": False, "ignore_merges": False,
-                      "vocab": {spell(token): rank for token, rank in ranks.items()},
+            "model": {"type": "BPE", "vocab": {spell(token): rank for token, rank in ranks.items()},
                       "merges": merges}}
 
 
@@ -2427,19 +2409,13 @@ def char_set(ranges, negate=False):
             merged[-1][1] = max(merged[-1][1], hi)
         else:
             merged.append([lo, hi])
-    if negate:
-        gaps, nxt = [], 0
-        for lo, hi in merged:
-            if lo > nxt:
-                gaps.append([nxt, lo - 1])
-            nxt = hi + 1
-        merged = gaps + ([[nxt, MAX_CODE_POINT]] if nxt <= MAX_CODE_POINT else [])
-    out = []
-    for lo, hi in merged:  # each range minus the surrogate block: the part below and above it
-        for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
-            if a <= b:
-                out.append((a, b))
-    return Chars(tuple(out))
+    if negate:  # the gaps: before the first range, between two, after the last
+        bounds = [-1, *(x for pair in merged for x in pair), MAX_CODE_POINT + 1]
+        merged = [(hi + 1, lo - 1) for hi, lo in zip(bounds[::2], bounds[1::2])]
+    # each range minus the surrogate block: the part below it and the part above it (empty
+    # pieces, lo > hi, are dropped)
+    pieces = [p for lo, hi in merged for p in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi))]
+    return Chars(tuple((lo, hi) for lo, hi in pieces if lo <= hi))
 
 
 def chars(text):
@@ -2596,7 +2572,7 @@ class RegexParser:
         return self.escape() if c == "\\" else ord(c)
 
     def escape(self):
-        """What follows a backslash: Chars for \\d \\w \\s and their negations, else a code point."""
+        """What a backslash starts: Chars for \\d \\w \\s and their negations, else a code point."""
         start, c = self.pos - 1, self.take()
         if c.lower() in ASCII_CLASSES:
             return char_set(ASCII_CLASSES[c.lower()], negate=c.isupper())
@@ -2764,6 +2740,14 @@ class ByteNFA:
         self.edges.append([])
         return len(self.eps) - 1
 
+    def join(self, states):
+        """A new state that each of `states` (None: absent) leads to without reading a byte."""
+        end = self.new_state()
+        for s in states:
+            if s is not None:
+                self.eps[s].append(end)
+        return end
+
     def add(self, node, start):
         """Add `node`'s states, entered at `start`; returns the state where the node is matched.
         No construction loops back to its `start`, so alternatives may share it."""
@@ -2777,10 +2761,7 @@ class ByteNFA:
             return self.add_repeat(node, start)
         if isinstance(node, Separated):
             return self.add_separated(node, start)
-        end = self.new_state()
-        for option in node.options:
-            self.eps[self.add(option, start)].append(end)
-        return end
+        return self.join([self.add(option, start) for option in node.options])
 
     def add_chars(self, node, start):
         """One character as UTF-8: a byte-range chain per sequence; chains with the same tail
@@ -2804,43 +2785,27 @@ class ByteNFA:
         for _ in range(node.lo):
             start = self.add(node.node, start)
         if node.hi is None:  # a fresh loop state, so the loop cannot re-enter what led here
-            loop = self.new_state()
-            self.eps[start].append(loop)
+            loop = self.join([start])
             self.eps[self.add(node.node, loop)].append(loop)
             return loop
-        stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to `end`
+        stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to the end
         for _ in range(node.hi - node.lo):
             stops.append(start)
             start = self.add(node.node, start)
-        end = self.new_state()
-        for s in stops + [start]:
-            self.eps[s].append(end)
-        return end
+        return self.join(stops + [start])
 
     def add_separated(self, node, start):
         """Two states per item boundary: `empty` (nothing written yet: no separator needed) and
         `some` (an item written: the next needs a separator). Each item is built once."""
         empty, some = start, None
         for item, required in node.items:
-            entry = self.new_state()
-            if empty is not None:
-                self.eps[empty].append(entry)
-            if some is not None:
-                self.eps[self.add(node.sep, some)].append(entry)
-            done = self.add(item, entry)
+            after_sep = None if some is None else self.add(node.sep, some)
+            done = self.add(item, self.join([empty, after_sep]))
             if required:
                 empty, some = None, done
             else:  # skipping the item keeps both states; writing it leads to `some`
-                merged = self.new_state()
-                for s in (done, some):
-                    if s is not None:
-                        self.eps[s].append(merged)
-                some = merged
-        end = self.new_state()
-        for s in (empty, some):
-            if s is not None:
-                self.eps[s].append(end)
-        return end
+                some = self.join([done, some])
+        return self.join([empty, some])
 
 
 class ByteDFA:
@@ -2875,21 +2840,17 @@ class ByteDFA:
 def determinize(nfa):
     """Subset construction: a DFA state is the set of NFA states the bytes so far can reach.
     The bytes leaving a set are cut at every edge's ends into intervals that all move alike."""
-    closures = {}
+    @functools.cache
+    def closure(states):  # the DFA state of a frozenset of NFA states: all they reach by eps
+        seen, stack = set(states), list(states)
+        while stack:
+            for t in nfa.eps[stack.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return frozenset(seen)
 
-    def closure(states):  # the DFA state of an NFA state set: everything reachable by eps
-        key = frozenset(states)
-        if key not in closures:
-            seen, stack = set(key), list(key)
-            while stack:
-                for t in nfa.eps[stack.pop()]:
-                    if t not in seen:
-                        seen.add(t)
-                        stack.append(t)
-            closures[key] = frozenset(seen)
-        return closures[key]
-
-    sets = [closure([nfa.start])]
+    sets = [closure(frozenset([nfa.start]))]
     index, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
         edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
@@ -2898,7 +2859,7 @@ def determinize(nfa):
         for a, b in zip(cuts, cuts[1:]):
             targets = [t for lo, hi, t in edges if lo <= a <= hi]
             if targets:
-                target = closure(targets)
+                target = closure(frozenset(targets))
                 if target not in index:
                     if len(sets) == MAX_DFA_STATES:
                         raise GrammarError(f"the automaton exceeds {MAX_DFA_STATES:,} states; "
@@ -2927,11 +2888,10 @@ def trim(trans, accepting):
                 stack.append(s)
     if not live[0]:
         raise GrammarError("the constraint matches no text at all")
-    new_id = np.cumsum(live) - 1              # old state → new state, for the live ones
-    ok = trans >= 0
-    ok[ok] = live[trans[ok]]
-    trans = np.where(ok, new_id[np.maximum(trans, 0)], DEAD).astype(np.int32)
-    return ByteDFA(trans[live], accepting[live])
+    # old state → new state, DEAD for a removed one; one more DEAD at the end, where trans's
+    # DEAD (-1) indexes
+    new_id = np.append(np.where(live, np.cumsum(live) - 1, DEAD), DEAD).astype(np.int32)
+    return ByteDFA(new_id[trans][live], accepting[live])
 
 
 def constraint_key(regex=None, choice=None, json_schema=None):
@@ -3572,15 +3532,11 @@ def synthetic_vocab(base_tokens, size=QWEN3_VOCAB_SIZE, n_regular=QWEN3_REGULAR_
     above have no bytes (the special tokens and the unused rows of the embedding). The tokens
     split UTF-8 characters wherever the base vocabulary does."""
     rng = random.Random(seed)
-    vocab = list(dict.fromkeys([bytes([b]) for b in range(256)] + list(base_tokens)))
-    seen = set(vocab)
+    vocab = dict.fromkeys([bytes([b]) for b in range(256)] + list(base_tokens))  # an ordered set
     parts, weights = list(vocab), list(np.cumsum(1.0 / np.arange(1, len(vocab) + 1)))
     while len(vocab) < n_regular:
-        pair = b"".join(rng.choices(parts, cum_weights=weights, k=2))
-        if pair not in seen:
-            seen.add(pair)
-            vocab.append(pair)
-    return vocab[:n_regular] + [None] * (size - n_regular)
+        vocab[b"".join(rng.choices(parts, cum_weights=weights, k=2))] = None
+    return list(vocab)[:n_regular] + [None] * (size - n_regular)
 
 
 def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
@@ -3589,30 +3545,26 @@ def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
     state's mask the first time (median and max over every state of its automaton), and a
     state's mask once seen (median and p99 over random lookups). Returns the three medians, in
     seconds."""
-    t0 = time.perf_counter()
-    vocab = synthetic_vocab(base_tokens, size, n_regular, seed)
-    t1 = time.perf_counter()
-    trie = TokenTrie(vocab)
-    t2 = time.perf_counter()
-    compile_times = []
-    for _ in range(5):  # _compile's cache is bypassed: this is the cost of a new schema
+    def timed(fn, *args):  # (seconds, result)
         start = time.perf_counter()
-        dfa = determinize(ByteNFA(json_schema_to_tree(schema)))
-        compile_times.append(time.perf_counter() - start)
+        result = fn(*args)
+        return time.perf_counter() - start, result
+
+    vocab_s, vocab = timed(synthetic_vocab, base_tokens, size, n_regular, seed)
+    trie_s, trie = timed(TokenTrie, vocab)
+    # _compile's cache is bypassed: this is the cost of a new schema
+    compiles = [timed(lambda: determinize(ByteNFA(json_schema_to_tree(schema)))) for _ in range(5)]
+    compile_times, dfa = [t for t, _ in compiles], compiles[-1][1]
     masker = TokenMasker(dfa, trie, eos_ids=[n_regular, n_regular + 2])  # as Qwen3's eos ids
-    first = []
-    for state in range(dfa.num_states):
-        start = time.perf_counter()
-        masker.mask(state)
-        first.append(time.perf_counter() - start)
+    first = [timed(masker.mask, state)[0] for state in range(dfa.num_states)]
     rng, hits = random.Random(seed), []
     for state in (rng.randrange(dfa.num_states) for _ in range(n_lookups)):
-        start = time.perf_counter_ns()
+        start = time.perf_counter_ns()  # in ns, and the call alone: it takes well under 1 µs
         masker.mask(state)
         hits.append((time.perf_counter_ns() - start) / 1e9)
     hits.sort()
-    print(f"structured output, {len(vocab):,}-token vocabulary (built in {t1 - t0:.2f} s, its "
-          f"trie in {t2 - t1:.2f} s); the schema's DFA has {dfa.num_states} states")
+    print(f"structured output, {len(vocab):,}-token vocabulary (built in {vocab_s:.2f} s, its "
+          f"trie in {trie_s:.2f} s); the schema's DFA has {dfa.num_states} states")
     print(f"  compile schema:          {statistics.median(compile_times) * 1e3:8.1f} ms "
           f"(target 200 ms)")
     print(f"  mask, first computation: {statistics.median(first) * 1e6:8.1f} µs median, "
