@@ -23,11 +23,14 @@ What this stage teaches
     18. The KV cache (`KVCache`), allocated once and written at each token's position. Prefill
         runs on stage 06's `flash_attention` on a GPU, decode attends over the cache; both are
         checked against recomputing the whole sequence.
-    19. Fast decode, first piece: `decode_attention`, a Triton kernel for one query a row over
-        a long cache (flash-decoding: the keys split into chunks whose partial softmaxes a
-        second kernel merges; the query heads of a GQA group share each K/V load), in the model's
-        one-token cached step on the kernels; `--bench` measures it against copy bandwidth and
-        torch's SDPA.
+    19. Fast decode: `decode_attention`, a Triton kernel for one query a row over a long cache
+        (flash-decoding: the keys split into chunks whose partial softmaxes a second kernel
+        merges; the query heads of a GQA group share each K/V load); `fast_decode`, the
+        one-token step on fewer kernels (fused projections, the residual add fused into
+        RMSNorm, q/k norm + RoPE + the cache write in one kernel); `DecodeGraphs`, that step
+        captured in a CUDA graph per batch-size bucket and replayed by the engine on a GPU.
+        `--bench` measures decode attention against copy bandwidth and SDPA, and decode
+        tokens/s of Qwen3-0.6B- and Qwen3-8B-shaped models against transformers' generate.
     34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
         frequency penalties, seed, stop ids, logprobs), validated on construction and applied in
         vLLM's order, every row of a batch with its own values and, when seeded, its own random
@@ -59,7 +62,8 @@ Run
                                          # Qwen/Qwen3-0.6B (downloaded into data/hub/)
     python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
     python 07_engine.py --bench          # what structured output costs on a 151,936-token
-                                         # vocabulary; on a GPU, decode attention's GB/s
+                                         # vocabulary; on a GPU, decode attention's GB/s and
+                                         # decode tokens/s against transformers (~5 min)
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
 through Triton's interpreter), greedy and sampled generations as text, batched against one by
 one, a generation under each kind of structured output (checked with Python's re and json), and
@@ -2086,6 +2090,7 @@ class DecodeGraphs:
         self.model, self.cache = fuse_projections(model), cache
         self.graphs = {}  # bucket -> (graph, ids, positions, logits)
 
+    @torch.inference_mode()  # the graphs' buffers are inference tensors (ModelRunner.run's mode)
     def __call__(self, ids, positions):
         """Logits (B, V) of fast_decode(model, ids, positions, cache), from the bucket's graph."""
         B = ids.shape[0]
@@ -3652,11 +3657,16 @@ def _timed(fn):
 
 
 def engine_rate(model, batch, prompt_len, new_tokens):
-    """Decode tokens/s of LLM.generate: batch prompts of random ids, new_tokens each, greedy."""
+    """Decode tokens/s of LLM.generate (batch prompts of random ids, new_tokens each, greedy),
+    and the GPU time of one decode step alone: its graph replayed back to back (ms)."""
     llm = LLM(model, max_batch_size=batch)
     prompts = random_prompts(model.cfg.vocab_size, [prompt_len] * batch, seed=batch)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    return batch * new_tokens / _timed(lambda: llm.generate(prompts, params))
+    tok_s = batch * new_tokens / _timed(lambda: llm.generate(prompts, params))
+    device = _device_of(model)
+    ids = torch.zeros(batch, dtype=torch.int64, device=device)
+    positions = torch.full((batch,), prompt_len + new_tokens // 2, device=device)
+    return tok_s, _ms(lambda: llm.engine.runner.graphs(ids, positions))
 
 
 def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implementation):
@@ -3679,8 +3689,10 @@ def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implemen
 
 def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_tokens=128):
     """Decode tokens/s (prefill included) and the bandwidth it implies, for each shape of
-    BENCH_MODELS and batch size, against transformers in the same run. Returns {(model, batch):
-    {"tok_s", "of_copy", "transformers", "transformers_static"}}, or None without a GPU."""
+    BENCH_MODELS and batch size, against transformers in the same run; beside them the time of
+    a whole engine step and of the GPU's share (the step's graph replayed back to back): the
+    difference is host time. Returns {(model, batch): {"tok_s", "of_copy", "step_us", "gpu_us",
+    "transformers", "transformers_static"}}, or None without a GPU."""
     if device.type != "cuda":
         print("decode bench: needs a CUDA GPU; skipped")
         return None
@@ -3696,13 +3708,14 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
         plain, fast = kernels_per_step(model, 1)
         print(f"\n{name} shape, bf16, random weights ({model.num_params() / 1e9:.2f}B parameters): "
               f"{plain} GPU ops a decode step on the model's path, {fast} on fast_decode")
-        print(f"  {'batch':>5} | {'engine tok/s':>12} {'GB/s':>6} {'of copy':>7} | transformers "
-              f"{'default':>8} {'static+compile':>14} | {'x best':>6}")
+        print(f"  {'batch':>5} | {'engine tok/s':>12} {'GB/s':>6} {'of copy':>7} {'step':>7} "
+              f"{'GPU':>7} | transformers {'default':>8} {'static+compile':>14} | {'x best':>6}")
         context = prompt_len + new_tokens // 2  # the average row length over the run
         for batch in batches:
-            tok_s = engine_rate(model, batch, prompt_len, new_tokens)
+            tok_s, replay_ms = engine_rate(model, batch, prompt_len, new_tokens)
             gbs = bytes_per_step(model, batch, context) * tok_s / batch / 1e9
-            results[name, batch] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs)
+            results[name, batch] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs, step_us=batch / tok_s * 1e6,
+                                        gpu_us=replay_ms * 1e3)
         del model
         torch.cuda.empty_cache()
         for batch in batches:
@@ -3713,7 +3726,8 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
                 torch.cuda.empty_cache()
             best = max(row["transformers"], row["transformers_static"])
             print(f"  {batch:>5} | {row['tok_s']:>12,.0f} {row['of_copy'] * copy_gbs:>6,.0f} "
-                  f"{row['of_copy']:>7.0%} | {'':>12} {row['transformers']:>8,.0f} "
+                  f"{row['of_copy']:>7.0%} {row['step_us']:>5,.0f}us {row['gpu_us']:>5,.0f}us | "
+                  f"{'':>12} {row['transformers']:>8,.0f} "
                   f"{row['transformers_static']:>14,.0f} | {row['tok_s'] / best:>5.1f}x", flush=True)
     return results
 
@@ -4014,7 +4028,8 @@ def parse_args(argv=None):
     parser.add_argument("--bench", action="store_true",
                         help="instead: what structured output costs on a Qwen3-sized vocabulary "
                         "(compiling a schema, a state's first mask, a cached mask) and, on a "
-                        "GPU, the decode-attention kernel's share of copy bandwidth")
+                        "GPU, the decode-attention kernel's share of copy bandwidth and decode "
+                        "tokens/s of Qwen3-0.6B and 8B shapes against transformers")
     parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
                         "the random model's (default: data/)")
     args = parser.parse_args(argv)

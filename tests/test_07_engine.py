@@ -1232,15 +1232,16 @@ def test_cached_decode_on_the_kernel_matches_the_torch_path(q7, hf_dir, monkeypa
 
 
 def test_bench_decode_attention_needs_a_gpu(q7, monkeypatch, capsys):
-    """--bench runs the decode-attention bench after the structured-output one; without CUDA it
-    says so and times nothing."""
+    """--bench runs the decode-attention and decode benches after the structured-output one;
+    without CUDA they say so and time nothing."""
     monkeypatch.setattr(q7, "bench_structured", lambda *a, **k: print("structured bench ran"))
     monkeypatch.setattr(q7, "decode_attention", lambda *a, **k: pytest.fail("timed on a CPU"))
+    monkeypatch.setattr(q7, "random_model", lambda *a, **k: pytest.fail("built on a CPU"))
     q7.main(["--bench", "--device", "cpu"])
     out = capsys.readouterr().out
     assert out.index("structured bench ran") < out.index(
         "decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not speed); "
-        "skipped")
+        "skipped") < out.index("decode bench: needs a CUDA GPU; skipped")
 
 
 # -- fast decode: fused kernels and CUDA graphs ------------------------------------------------
