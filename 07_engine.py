@@ -3846,32 +3846,35 @@ def check_against_recompute(llm, prompts, max_tokens):
 
 
 def check_kernels(model, prompts, steps=2):
-    """The model on the Triton kernels (RMSNorm, SwiGLU, the flash prefill, decode attention)
-    against its torch twins: the logits of the prompts as one right-padded batch, then of `steps`
-    decode steps over the KV cache, each row at its own position. Prints and returns the
-    relative error."""
+    """The model on the Triton kernels (RMSNorm, SwiGLU, the flash prefill, decode attention),
+    and fast_decode's fused step, against the torch twins: the logits of the prompts as one
+    right-padded batch, then of `steps` decode steps over the KV cache, each row at its own
+    position. Prints and returns the two relative errors."""
     device, dtype = _device_of(model), model.model.embed_tokens.weight.dtype
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     T = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # (B, T)
-    was_on = model.model.norm.kernels
+    was_on = model.kernels
     logits = []
     with torch.inference_mode():
-        for on in (False, True):
+        for on, fast in ((False, False), (True, False), (True, True)):
             model.use_kernels(on)
             cache = KVCache(model.cfg, len(prompts), T + steps, device, dtype)
             out = [model.logits(model.hidden_states(ids, cache=cache)).flatten(0, 1)]  # (B * T, V)
             for i in range(steps):  # each row's first token again, at the row's next position
+                if fast:
+                    out.append(fast_decode(fuse_projections(model), ids[:, 0], lengths + i, cache))
+                    continue
                 h = model.hidden_states(ids[:, :1], (lengths + i)[:, None], cache, kv_len=T + i + 1)
                 out.append(model.logits(h[:, 0]))  # (B, V)
             logits.append(torch.cat(out).float())
     model.use_kernels(was_on)
-    reference, ours = logits
-    err = ((ours - reference).norm() / reference.norm()).item()
+    reference = logits[0]
+    errors = [((ours - reference).norm() / reference.norm()).item() for ours in logits[1:]]
     where = "Triton's interpreter" if INTERPRET else torch.cuda.get_device_name(device)
-    print(f"logits on the Triton kernels ({where}) vs the torch path: rel err {err:.1e} (a prefill "
-          f"and {steps} decode steps)")
-    return err
+    print(f"logits on the Triton kernels ({where}) vs the torch path: rel err {errors[0]:.1e} (a "
+          f"prefill and {steps} decode steps); with fast_decode's fused steps: {errors[1]:.1e}")
+    return errors
 
 
 def show_generations(llm, prompts, args):
