@@ -28,7 +28,8 @@ What this stage teaches
         merges; the query heads of a GQA group share each K/V load); `fast_decode`, the
         one-token step on fewer kernels (fused projections, the residual add fused into
         RMSNorm, q/k norm + RoPE + the cache write in one kernel); `DecodeGraphs`, that step
-        captured in a CUDA graph per batch-size bucket and replayed by the engine on a GPU.
+        captured in a CUDA graph per batch-size bucket and replayed by the engine on a GPU;
+        with `async_scheduling`, each step launched before the previous one's tokens are read.
         `--bench` measures decode attention against copy bandwidth and SDPA, and decode
         tokens/s of Qwen3-0.6B- and Qwen3-8B-shaped models against transformers' generate.
     34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
@@ -1905,8 +1906,9 @@ class KVCache:
 #   the same tensors throughout (KVCache), a batch is padded up to its bucket, and attention is
 #   bounded by the cache's length, each row's own length staying on the device.
 # What is left at batch 1 is the host: the graph's launch, the sampler and the token's trip to
-# the host take 0.3-0.6 ms a step during which the GPU waits (measured on the H200); the next
-# part's scheduler prepares step n + 1 while the GPU runs step n.
+# the host take 0.3-0.6 ms a step during which the GPU waits (measured on the H200). With
+# async_scheduling (ModelRunner.run) step n + 1 is launched, fed with step n's tokens on the
+# device, before those tokens are read back, so the host's work overlaps the GPU's.
 
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -3224,31 +3226,63 @@ class ModelRunner:
     """Turns a step's sequences into tensors, runs the model and samples. It owns the KV cache,
     allocated at a batch's prefill for the batch's longest possible sequence and reused by later
     batches that fit in it, and the batch's sampling state. With the model on its kernels, decode
-    steps run fast_decode, replayed from CUDA graphs on a GPU unless enforce_eager."""
+    steps run fast_decode, replayed from CUDA graphs on a GPU unless enforce_eager, and with
+    async_scheduling each one is launched before the tokens of the step before it are read."""
 
-    def __init__(self, model, enforce_eager=False):
+    def __init__(self, model, enforce_eager=False, async_scheduling=False):
         self.model = model
         self.device = model.inv_freq.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.vocab_size = model.cfg.vocab_size
-        self.enforce_eager = enforce_eager
+        self.enforce_eager, self.async_scheduling = enforce_eager, async_scheduling
         self.sampler = Sampler()
         self.cache = None
         self.sampling = None
         self.graphs = None  # DecodeGraphs over the current cache
+        self.ahead = None  # async_scheduling: the logits of the decode step launched in advance
 
     @torch.inference_mode()
     def run(self, seqs, is_prefill):
         """One step: the prefill of a new batch, or one decode step. Returns each row's next token
         and, where the row asked, its logprobs."""
-        logits = self._prefill(seqs) if is_prefill else self._decode(seqs)  # (B, V)
+        ahead, self.ahead = self.ahead, None
+        if is_prefill:
+            logits = self._prefill(seqs)  # (B, V)
+        else:
+            logits = ahead if ahead is not None else self._decode(seqs)
         # A state's first mask is computed here, on the host, while a GPU still runs the forward
         # pass queued above; a state met before costs a dict lookup.
         masks = [None if seq.grammar is None or seq.is_finished
                  else seq.grammar.mask(seq.grammar_state) for seq in seqs]
         tokens, logprobs = self.sampler(logits, self.sampling, masks)
-        tokens = tokens.tolist()  # the step's one host sync: the scheduler needs the tokens
+        read = self._read_back(tokens, logprobs)
+        if self.async_scheduling and self.model.kernels:
+            # Launch the next step now, fed on the device with the tokens just sampled, so that
+            # the GPU runs it while the host reads them and updates the sequences. A row that
+            # ended before this step stays at its last position; a row that ends with this
+            # step gets a step whose result nobody reads, as does the batch after its last one.
+            positions = [len(seq) - 1 if seq.is_finished else len(seq) for seq in seqs]
+            self.ahead = self._fast_step(tokens, positions)
+        tokens, logprobs = read()  # the step's one host sync: the scheduler needs the tokens
+        tokens = tokens.tolist()
         return tokens, self._logprobs_lists(seqs, tokens, logprobs)
+
+    def _read_back(self, tokens, logprobs):
+        """Start copying the sampler's outputs to the host; the function returned waits for these
+        copies only, not for what is queued on the GPU after them."""
+        tensors = [tokens, *(logprobs or ())]
+        copied = None
+        if self.device.type == "cuda":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
+            copied = torch.cuda.Event()
+            copied.record()
+
+        def wait():
+            if copied is not None:
+                copied.synchronize()
+            return tensors[0], (tuple(tensors[1:]) if logprobs is not None else None)
+
+        return wait
 
     def _prefill(self, seqs):
         """Every prompt at once, right-padded to the longest. Causal attention never lets a real
@@ -3271,16 +3305,24 @@ class ModelRunner:
         last step (rewriting the same key and value), and its result is not used."""
         positions = [len(seq) - 1 for seq in seqs]
         ids = torch.tensor([seq.last_token for seq in seqs], device=self.device)  # (B,)
-        pos = torch.tensor(positions, device=self.device)  # (B,)
-        if self.model.kernels and self._graphed():  # the fast step (19), from a CUDA graph
-            if self.graphs is None or self.graphs.cache is not self.cache:
-                self.graphs = DecodeGraphs(self.model, self.cache)
-            return self.graphs(ids, pos)
-        if self.model.kernels:
-            return fast_decode(fuse_projections(self.model), ids, pos, self.cache)
-        h = self.model.hidden_states(ids[:, None], pos[:, None], self.cache,
-                                     kv_len=max(positions) + 1)  # (B, 1, C)
+        if self.model.kernels:  # the fast step (19)
+            return self._fast_step(ids, positions)
+        pos = torch.tensor(positions, device=self.device)[:, None]  # (B, 1)
+        h = self.model.hidden_states(ids[:, None], pos, self.cache, kv_len=max(positions) + 1)
         return self.model.logits(h[:, -1])  # (B, V)
+
+    def _fast_step(self, ids, positions):
+        """fast_decode of ids (B,) on the device at `positions` (a list), from a CUDA graph on a
+        GPU unless enforce_eager. Ahead of time (async_scheduling), the positions go up from
+        pinned memory, which needs no sync with the GPU's queue."""
+        assert max(positions) < self.cache.length, "a decode step past the end of the cache"
+        pinned = self.device.type == "cuda" and self.async_scheduling
+        pos = torch.tensor(positions, pin_memory=pinned).to(self.device, non_blocking=pinned)
+        if not self._graphed():
+            return fast_decode(fuse_projections(self.model), ids, pos, self.cache)
+        if self.graphs is None or self.graphs.cache is not self.cache:
+            self.graphs = DecodeGraphs(self.model, self.cache)
+        return self.graphs(ids, pos)
 
     def _graphed(self):
         return self.device.type == "cuda" and not self.enforce_eager
@@ -3316,8 +3358,9 @@ class ModelRunner:
 class LLMEngine:
     """Requests in, one step at a time, finished sequences out."""
 
-    def __init__(self, model, eos_token_ids, max_batch_size, enforce_eager=False):
-        self.runner = ModelRunner(model, enforce_eager)
+    def __init__(self, model, eos_token_ids, max_batch_size, enforce_eager=False,
+                 async_scheduling=False):
+        self.runner = ModelRunner(model, enforce_eager, async_scheduling)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.reset()
@@ -3357,10 +3400,12 @@ class LLM:
     device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
     limit: the model's max_position_embeddings). max_batch_size: sequences per batch.
     enforce_eager: decode without CUDA graphs (vLLM's name), to compare or to debug.
+    async_scheduling: launch each decode step on the kernels before the previous step's tokens
+    reach the host (vLLM's name); the outputs are the same.
     """
 
     def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
-                 max_batch_size=16, enforce_eager=False, data_dir=None):
+                 max_batch_size=16, enforce_eager=False, async_scheduling=False, data_dir=None):
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
                             f"{type(tokenizer).__name__}")
@@ -3388,9 +3433,11 @@ class LLM:
                              f"model's max_position_embeddings, {limit}")
         if not _is_int(max_batch_size) or max_batch_size < 1:
             raise ValueError(f"max_batch_size = {max_batch_size!r} must be a positive int")
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager = {enforce_eager!r} must be True or False")
-        self.engine = LLMEngine(self.model, eos_token_ids, max_batch_size, enforce_eager)
+        for name, value in (("enforce_eager", enforce_eager), ("async_scheduling", async_scheduling)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} = {value!r} must be True or False")
+        self.engine = LLMEngine(self.model, eos_token_ids, max_batch_size, enforce_eager,
+                                async_scheduling)
 
     def generate(self, prompts, sampling_params=None):
         """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
@@ -3656,10 +3703,10 @@ def _timed(fn):
     return time.perf_counter() - start
 
 
-def engine_rate(model, batch, prompt_len, new_tokens):
+def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=False):
     """Decode tokens/s of LLM.generate (batch prompts of random ids, new_tokens each, greedy),
     and the GPU time of one decode step alone: its graph replayed back to back (ms)."""
-    llm = LLM(model, max_batch_size=batch)
+    llm = LLM(model, max_batch_size=batch, async_scheduling=async_scheduling)
     prompts = random_prompts(model.cfg.vocab_size, [prompt_len] * batch, seed=batch)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     tok_s = batch * new_tokens / _timed(lambda: llm.generate(prompts, params))
@@ -3691,8 +3738,10 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
     """Decode tokens/s (prefill included) and the bandwidth it implies, for each shape of
     BENCH_MODELS and batch size, against transformers in the same run; beside them the time of
     a whole engine step and of the GPU's share (the step's graph replayed back to back): the
-    difference is host time. Returns {(model, batch): {"tok_s", "of_copy", "step_us", "gpu_us",
-    "transformers", "transformers_static"}}, or None without a GPU."""
+    difference is host time, which async scheduling overlaps with the GPU's work. Returns
+    {(model, batch): {"plain": engine, "async": engine, "transformers": tokens/s,
+    "transformers_static": tokens/s}} with engine = {"tok_s", "of_copy", "step_us", "gpu_us"},
+    or None without a GPU."""
     if device.type != "cuda":
         print("decode bench: needs a CUDA GPU; skipped")
         return None
@@ -3708,14 +3757,16 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
         plain, fast = kernels_per_step(model, 1)
         print(f"\n{name} shape, bf16, random weights ({model.num_params() / 1e9:.2f}B parameters): "
               f"{plain} GPU ops a decode step on the model's path, {fast} on fast_decode")
-        print(f"  {'batch':>5} | {'engine tok/s':>12} {'GB/s':>6} {'of copy':>7} {'step':>7} "
+        print(f"  {'batch':>5} {'engine':>6} | {'tok/s':>7} {'GB/s':>6} {'of copy':>7} {'step':>7} "
               f"{'GPU':>7} | transformers {'default':>8} {'static+compile':>14} | {'x best':>6}")
         context = prompt_len + new_tokens // 2  # the average row length over the run
         for batch in batches:
-            tok_s, replay_ms = engine_rate(model, batch, prompt_len, new_tokens)
-            gbs = bytes_per_step(model, batch, context) * tok_s / batch / 1e9
-            results[name, batch] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs, step_us=batch / tok_s * 1e6,
-                                        gpu_us=replay_ms * 1e3)
+            row = results[name, batch] = {}
+            for mode in ("plain", "async"):
+                tok_s, replay_ms = engine_rate(model, batch, prompt_len, new_tokens, mode == "async")
+                gbs = bytes_per_step(model, batch, context) * tok_s / batch / 1e9
+                row[mode] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs, step_us=batch / tok_s * 1e6,
+                                 gpu_us=replay_ms * 1e3)
         del model
         torch.cuda.empty_cache()
         for batch in batches:
@@ -3725,10 +3776,14 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
                             if transformers else float("nan"))
                 torch.cuda.empty_cache()
             best = max(row["transformers"], row["transformers_static"])
-            print(f"  {batch:>5} | {row['tok_s']:>12,.0f} {row['of_copy'] * copy_gbs:>6,.0f} "
-                  f"{row['of_copy']:>7.0%} {row['step_us']:>5,.0f}us {row['gpu_us']:>5,.0f}us | "
-                  f"{'':>12} {row['transformers']:>8,.0f} "
-                  f"{row['transformers_static']:>14,.0f} | {row['tok_s'] / best:>5.1f}x", flush=True)
+            for mode in ("plain", "async"):
+                ours = row[mode]
+                theirs = (f"{row['transformers']:>8,.0f} {row['transformers_static']:>14,.0f}"
+                          if mode == "plain" else " " * 23)
+                print(f"  {batch:>5} {mode:>6} | {ours['tok_s']:>7,.0f} "
+                      f"{ours['of_copy'] * copy_gbs:>6,.0f} {ours['of_copy']:>7.0%} "
+                      f"{ours['step_us']:>5,.0f}us {ours['gpu_us']:>5,.0f}us | {'':>12} {theirs} | "
+                      f"{ours['tok_s'] / best:>5.1f}x", flush=True)
     return results
 
 

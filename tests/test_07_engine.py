@@ -1075,6 +1075,36 @@ def test_model_on_the_kernels_matches_its_torch_path(q7, hf_dir):
     assert [o.token_ids for o in kernels] == [o.token_ids for o in torch_path]
 
 
+
+@torch.no_grad()
+def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
+    """With async_scheduling each decode step is launched before the tokens of the step before
+    it are read, fed with them on the device: the same tokens and logprobs as the plain loop,
+    for greedy, seeded and stop-id rows that end at different steps, one of them at the very
+    end of the cache while another goes on; and no step is computed twice."""
+    model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32).use_kernels(True)
+    prompts = [random_ids(10, seed=11), random_ids(5, seed=12), random_ids(7, seed=13)]
+    params = [q7.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
+              q7.SamplingParams(temperature=1.0, seed=5, max_tokens=13, ignore_eos=True,
+                                logprobs=0),
+              q7.SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)]
+    plain = q7.LLM(model, max_batch_size=3)
+    stop = plain.generate(prompts, params)[2].token_ids[3]  # row 2 stops at its fourth token or before
+    params[2] = q7.SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[stop])
+    expected = plain.generate(prompts, params)
+    overlapped = q7.LLM(model, max_batch_size=3, async_scheduling=True)
+    monkeypatch.setattr(overlapped.engine.runner, "_decode",
+                        lambda seqs: pytest.fail("a step computed again, not launched ahead"))
+    outputs = overlapped.generate(prompts, params)
+    assert [len(o.token_ids) for o in expected][:2] == [8, 13]  # 10 + 8 = 5 + 13: the cache's end
+    assert expected[2].finish_reason == "stop" and len(expected[2].token_ids) <= 4
+    for ours, theirs in zip(outputs, expected):
+        assert ours.token_ids == theirs.token_ids and ours.finish_reason == theirs.finish_reason
+        assert (ours.logprobs is None) == (theirs.logprobs is None)
+        for a, b in zip(ours.logprobs or (), theirs.logprobs or ()):
+            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)
+    assert overlapped.generate(prompts[:1], params[0])[0].token_ids == expected[0].token_ids
+
 # -- decode attention: one query a row over the cache ------------------------------------------
 
 def decode_float64(q, k, v, lengths):
@@ -2296,6 +2326,8 @@ def test_bad_llm_arguments(q7, hf_dir):
         q7.LLM(hf_dir[1], device="cpu", dtype=torch.int8)
     with pytest.raises(ValueError, match="enforce_eager = 1 must be True or False"):
         q7.LLM(model, enforce_eager=1)
+    with pytest.raises(ValueError, match="async_scheduling = 'yes' must be True or False"):
+        q7.LLM(model, async_scheduling="yes")
 
 
 # ----------------------------------------------------------------------------------- main()
@@ -2551,22 +2583,24 @@ def test_gpu_graph_replay_equals_eager_fast_decode(q7):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_gpu_engine_with_graphs_equals_enforce_eager(q7):
-    """LLM.generate with CUDA graphs against enforce_eager on the same model: identical tokens
-    and logprobs, greedy and seeded, over batches that fill a bucket and that do not."""
+    """LLM.generate with CUDA graphs, with and without async scheduling, against enforce_eager
+    on the same model: identical tokens and logprobs, greedy and seeded, over batches that fill
+    a bucket and that do not."""
     model = small_cuda_model(q7, torch.bfloat16)
     prompts = [random_ids(n, vocab=1000, seed=n) for n in (5, 17, 9)]
     graphed = q7.LLM(model, max_batch_size=3)
+    overlapped = q7.LLM(model, max_batch_size=3, async_scheduling=True)
     eager = q7.LLM(model, max_batch_size=3, enforce_eager=True)
     for params in (q7.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
                    [q7.SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12,
                                       ignore_eos=True, logprobs=0) for i in range(3)]):
         for batch in (prompts, prompts[:1]):
-            ours = graphed.generate(batch, params if isinstance(params, q7.SamplingParams)
-                                    else params[:len(batch)])
-            theirs = eager.generate(batch, params if isinstance(params, q7.SamplingParams)
-                                    else params[:len(batch)])
-            assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
-            assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
+            rows = params if isinstance(params, q7.SamplingParams) else params[:len(batch)]
+            theirs = eager.generate(batch, rows)
+            for llm in (graphed, overlapped):
+                ours = llm.generate(batch, rows)
+                assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+                assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
     assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
 
 
@@ -2579,5 +2613,7 @@ def test_gpu_bench_engine_runs(q7, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "GPU ops a decode step on the model's path" in out
     for row in results.values():
-        assert row["tok_s"] > 0 and row["transformers"] > 0 and row["transformers_static"] > 0
-        assert 0 < row["of_copy"] < 1.2
+        assert row["transformers"] > 0 and row["transformers_static"] > 0
+        for mode in ("plain", "async"):
+            assert row[mode]["tok_s"] > 0 and 0 < row[mode]["of_copy"] < 1.2
+            assert 0 < row[mode]["gpu_us"] < row[mode]["step_us"] * 1.5
