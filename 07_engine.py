@@ -3268,11 +3268,11 @@ class ModelRunner:
         return tokens, self._logprobs_lists(seqs, tokens, logprobs)
 
     def _read_back(self, tokens, logprobs):
-        """Start copying the sampler's outputs to the host; the function returned waits for these
-        copies only, not for what is queued on the GPU after them."""
+        """Start copying the sampler's outputs to the host; under async_scheduling, the function
+        returned waits for these copies only, not for what is queued on the GPU after them."""
         tensors = [tokens, *(logprobs or ())]
         copied = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.async_scheduling:
             tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
             copied = torch.cuda.Event()
             copied.record()
