@@ -1896,10 +1896,11 @@ class KVCache:
 #   (fuse_projections), gate and up by another; the residual add fused into the RMSNorm that
 #   reads its result (add_rms_norm); the q/k norms, RoPE and the cache write of k and v in one
 #   kernel (qk_norm_rope); SwiGLU reading the fused gate/up output (swiglu_halves). fast_decode
-#   is the whole step on them: 312 GPU ops for Qwen3-0.6B. It equals the model's path up to
+#   is the whole step on them: 285 GPU ops for Qwen3-0.6B. It equals the model's path up to
 #   rounding: each kernel computes in fp32 and rounds once, where torch rounds after every op.
-#   The projections stay on cuBLAS: a Triton matrix-vector kernel split over rows and K matched
-#   it on Qwen3-8B's shapes and lost on 0.6B's down projection (18 us against 8).
+#   The projections stay on cuBLAS: a Triton matrix-vector kernel split over rows and K, with
+#   SwiGLU fused into the down projection's loads, made the whole 0.6B step slower (1.43 ms
+#   against 1.33 in a graph), its fused down projection 2-3x slower than cuBLAS's.
 # - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
 #   (DecodeGraphs), whose replay launches all of it with one call. A graph replays fixed
 #   addresses and shapes: the ids and positions are copied into its input buffers, the cache is
