@@ -2026,7 +2026,6 @@ def swiglu_halves(gate_up):
     return y
 
 
-
 def _concatenate(*linears):
     """One weight tensor for several nn.Linear that read the same input; each layer's weight
     becomes a view of its rows, so the values, names and memory stay the same."""
@@ -2035,7 +2034,7 @@ def _concatenate(*linears):
     start = 0
     for linear in linears:
         rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        linear.weight = nn.Parameter(fused[start:start + rows], linear.weight.requires_grad)
         start += rows
     return fused
 
@@ -2059,8 +2058,7 @@ def fast_decode(model, ids, positions, cache):
     position. Attention spans the whole cache (max_len = cache.length), each row up to its own
     position, so the step's launches do not depend on the positions: a graph can hold them.
     Needs fuse_projections(model) first."""
-    cfg, B = model.cfg, ids.shape[0]
-    eps, D, C = cfg.rms_norm_eps, cfg.head_dim, cfg.hidden_size
+    B, eps = ids.shape[0], model.cfg.rms_norm_eps
     x = model.model.embed_tokens(ids)  # (B, C): the residual stream, updated in place
     h = None  # what the last sub-block adds to x
     lengths = positions + 1  # (B,): keys each row attends to, this token's included
