@@ -26,10 +26,12 @@ What this stage teaches
     19. Fast decode: `decode_attention`, a Triton kernel for one query a row over a long cache
         (flash-decoding: the keys split into chunks whose partial softmaxes a second kernel
         merges; the query heads of a GQA group share each K/V load); `fast_decode`, the
-        one-token step on fewer kernels (fused projections, the residual add fused into
-        RMSNorm, q/k norm + RoPE + the cache write in one kernel); `DecodeGraphs`, that step
-        captured in a CUDA graph per batch-size bucket and replayed by the engine on a GPU;
-        with `async_scheduling`, each step launched before the previous one's tokens are read.
+        one-token step on fewer kernels (fused projections; q/k norm + RoPE + the cache write in
+        one kernel; at batch 1 `matvec`, a matrix-vector kernel that takes in the residual add
+        and RMSNorm or the SwiGLU before it), each launched before the previous one ends
+        (programmatic dependent launch); `DecodeGraphs`, that step captured in a CUDA graph per
+        batch-size bucket and replayed by the engine on a GPU; async scheduling (on by
+        default), each step launched before the previous one's tokens are read.
         `--bench` measures decode attention against copy bandwidth and SDPA, and decode
         tokens/s of Qwen3-0.6B- and Qwen3-8B-shaped models against transformers' generate.
     34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
@@ -64,7 +66,7 @@ Run
     python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
     python 07_engine.py --bench          # what structured output costs on a 151,936-token
                                          # vocabulary; on a GPU, decode attention's GB/s and
-                                         # decode tokens/s against transformers (~5 min)
+                                         # decode tokens/s against transformers (~7 min)
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
 through Triton's interpreter), greedy and sampled generations as text, batched against one by
 one, a generation under each kind of structured output (checked with Python's re and json), and
@@ -114,6 +116,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402  (after the interpreter switch)
 import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRET = tl.constexpr(INTERPRET)  # kernels can read module globals only when they are constexpr
@@ -1487,7 +1490,10 @@ _DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
 if INTERPRET:
     _DECODE_CONFIGS = [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
 _DECODE_ALIGN = max(c.kwargs["BLOCK_N"] for c in _DECODE_CONFIGS)  # chunks are whole tiles
-_MIN_SPLIT_KEYS = 256  # a shorter split's fixed costs (its query load, its partial) would show
+# A shorter split's fixed costs (its query load, its partial) would show. 128 on the H200, batch
+# 1, 8 kv heads: over 272 keys 3 splits took 5.7 us against 7.1 for 2 (256 keys a split), over
+# 1,024 keys 8 took 5.9 against 7.4 for 4.
+_MIN_SPLIT_KEYS = 128
 _MAX_SPLITS = 64  # the merge holds a head's partials in registers: (64, D) fp32
 
 
@@ -1497,14 +1503,17 @@ def _decode_split_kernel(Q, K, V, LENGTHS, OUT, O_PART, LSE_PART, qk_scale, max_
                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kt,
                          stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, CHUNK_BUCKET,
                          GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                         DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                         DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     """Kernel 1, one program per (row b, kv head, split s): keys [s * chunk, (s + 1) * chunk) of
     row b, cut at the row's length, against the GROUP query heads of the kv head.
     Q (B, Hq, D); K, V (B, Hkv, S, D); any strides, unit last stride. LENGTHS (B,): keys of each
     row (clamped to max_len, so a wrong one never reads past the cache). qk_scale = sm_scale *
     log2(e). DIRECT (a single split): write the output itself to OUT (B, Hq, D); else the
     normalized partial to O_PART (B, Hq, splits, D) and its log-sum-exp, base 2, to
-    LSE_PART (B, Hq, splits), both fp32. CHUNK_BUCKET: an autotune key only."""
+    LSE_PART (B, Hq, splits), both fp32. CHUNK_BUCKET: an autotune key only. PDL: launched
+    early, see _wait_for_inputs (chapter 19)."""
+    _wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -1555,10 +1564,11 @@ def _decode_split_kernel(Q, K, V, LENGTHS, OUT, O_PART, LSE_PART, qk_scale, max_
 
 @triton.jit
 def _decode_merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, Hq, SPLITS,
-                         D: tl.constexpr, BLOCK_S: tl.constexpr):
+                         D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Kernel 2, one program per (row b, query head h): out = sum_s w_s o_s / sum_s w_s with
     w_s = exp2(lse_s - max lse), over the SPLITS partials of O_PART (B, Hq, SPLITS, D) and
     LSE_PART (B, Hq, SPLITS). A row with no key at all (length 0) gets 0."""
+    _wait_for_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)  # b * Hq + h
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
@@ -1578,7 +1588,7 @@ def decode_splits(batch, kv_heads, max_len, n_sms):
     batch * kv_heads programs; split until it holds about four programs an SM (several run at
     once on an SM, their loads in flight together, and the rest even out the last wave), but
     keep at least _MIN_SPLIT_KEYS keys a split and at most _MAX_SPLITS splits. At batch 64 and
-    Hkv = 8 on an H200's 132 SMs that is 2 splits; at batch 1, 16 splits of a 4,096-key cache."""
+    Hkv = 8 on an H200's 132 SMs that is 2 splits; at batch 1, 32 splits of a 4,096-key cache."""
     wanted = triton.cdiv(4 * n_sms, batch * kv_heads)
     return max(1, min(wanted, triton.cdiv(max_len, _MIN_SPLIT_KEYS), _MAX_SPLITS))
 
@@ -1602,15 +1612,17 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len=None, sm_scale=None, 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     o_part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    pdl = _pdl(q.device)
     _decode_split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, lengths, out, o_part, lse_part, scale * LOG2E, max_len, chunk,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
         _seq_bucket(chunk), GROUP=Hq // Hkv, D=D,
         BLOCK_H=max(16, triton.next_power_of_2(Hq // Hkv)),  # the group, padded for tl.dot
-        DIRECT=splits == 1, DOT_PRECISION=_dot_precision(q.dtype))
+        DIRECT=splits == 1, DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl)
     if splits > 1:
         _decode_merge_kernel[(B * Hq,)](o_part, lse_part, out, *out.stride()[:2], Hq, splits,
-                                        D=D, BLOCK_S=triton.next_power_of_2(splits))
+                                        D=D, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl,
+                                        launch_pdl=pdl)
     return out
 
 
@@ -1891,25 +1903,51 @@ class KVCache:
 # weights once, under 0.3 ms at an H200's copy bandwidth. The model's own path puts 851 kernels
 # and copies on the GPU for one step (three projections, two q/k norms, RoPE's cat, multiplies
 # and adds, two cache writes, the residual adds... in each of 28 layers), each launched from
-# Python for more host time than the GPU needs to run it. Two changes close most of the gap:
+# Python for more host time than the GPU needs to run it. Three changes close much of the gap:
 # - Fewer kernels: q, k and v projected by one matmul over their concatenated weights
-#   (fuse_projections), gate and up by another; the residual add fused into the RMSNorm that
-#   reads its result (add_rms_norm); the q/k norms, RoPE and the cache write of k and v in one
-#   kernel (qk_norm_rope); SwiGLU reading the fused gate/up output (swiglu_halves). fast_decode
-#   is the whole step on them: 285 GPU ops for Qwen3-0.6B. It equals the model's path up to
-#   rounding: each kernel computes in fp32 and rounds once, where torch rounds after every op.
-#   The projections stay on cuBLAS: a Triton matrix-vector kernel split over rows and K, with
-#   SwiGLU fused into the down projection's loads, made the whole 0.6B step slower (1.43 ms
-#   against 1.33 in a graph), its fused down projection 2-3x slower than cuBLAS's.
+#   (fuse_projections), gate and up by another; the q/k norms, RoPE and the cache write of k and
+#   v in one kernel (qk_norm_rope). At batch 1 the projections (those of up to 3,072 columns:
+#   all of Qwen3-0.6B's, _on_matvec) run on a matrix-vector kernel (matvec) that also does the
+#   residual add and RMSNorm before it, or the SwiGLU; the others are cuBLAS's matmuls, with the
+#   add and norm (add_rms_norm) and SwiGLU (swiglu_halves) as kernels of their own. fast_decode
+#   is the whole step on them: for Qwen3-0.6B 171 GPU ops at batch 1, 285 at batch 16. It
+#   equals the model's path up to rounding: each kernel computes in fp32 and rounds once, where
+#   torch rounds after every op.
 # - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
 #   (DecodeGraphs), whose replay launches all of it with one call. A graph replays fixed
 #   addresses and shapes: the ids and positions are copied into its input buffers, the cache is
 #   the same tensors throughout (KVCache), a batch is padded up to its bucket, and attention is
 #   bounded by the cache's length, each row's own length staying on the device.
-# What is left at batch 1 is the host: the graph's launch, the sampler and the token's trip to
-# the host take 0.3-0.6 ms a step during which the GPU waits (measured on the H200). With
-# async_scheduling (ModelRunner.run) step n + 1 is launched, fed with step n's tokens on the
-# device, before those tokens are read back, so the host's work overlaps the GPU's.
+# - No idle gap between kernels: each starts while the one before it ends (programmatic
+#   dependent launch, below). The 0.6B step's graph: 755 us with it, 877 without.
+# What is left is the host: the graph's launch, the sampler and the token's trip to the host,
+# during which the GPU would wait. With async_scheduling (ModelRunner.run) step n + 1 is
+# launched, fed with step n's tokens on the device, before those tokens are read back, so the
+# host's work overlaps the GPU's (Qwen3-0.6B at batch 1: a step of 784 us, 1,124 without).
+
+# Programmatic dependent launch (PDL, Hopper on). Even inside a graph, a kernel starts only after
+# the previous one has ended: its programs are scheduled, its first loads go out and come back,
+# while the GPU waits, a few us a kernel, many times over in a step of 171 kernels. Launched with
+# launch_pdl, the fast step's kernels start while the previous one runs: each calls
+# _wait_for_inputs before it reads anything an earlier kernel writes (and before it writes), and
+# the matrix-vector kernel loads its first weight tile before that call, so the weights are on
+# their way while the previous kernel finishes. A kernel that waits also waited for the ones
+# before it, so every launched-early kernel must wait, in every program, even if it reads no
+# earlier output.
+@functools.lru_cache(maxsize=None)
+def _pdl(device):
+    """Whether kernels on `device` launch early (programmatic dependent launch): sm_90 and up."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    # PDL: let the next kernel start launching, then wait for the previous kernel to end and its
+    # writes to be visible. Without PDL there is nothing to wait for: the launch itself waited.
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
 
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1948,12 +1986,14 @@ def add_rms_norm(x, residual, weight, eps):
 
 @triton.jit
 def _qk_norm_rope_kernel(QKV, POS, INV_FREQ, QW, KW, Q, K, V, eps, stride_kb, stride_kh,
-                         stride_kt, Hq: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr):
+                         stride_kt, Hq: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr,
+                         PDL: tl.constexpr):
     # One program per (row b, head): heads 0..Hq-1 of a QKV row (Hq + 2 Hkv heads of D values)
     # are query heads, written to Q (B, Hq, D); the next Hkv key heads and the last Hkv value
     # heads go into the layer's cache K, V (rows, Hkv, length, D) at position POS[b]. Queries and
     # keys are normalized with their weight and rotated (RoPE, rotate-half: value i pairs with
     # value i + D/2); values are copied as they are.
+    _wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -2001,7 +2041,8 @@ def qk_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, k_cache, v_c
     q = torch.empty(B, Hq, D, dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_kernel[(B, Hq + 2 * Hkv)](qkv, positions, inv_freq, q_weight, k_weight, q,
                                             k_cache, v_cache, eps, *k_cache.stride()[:3],
-                                            Hq=Hq, Hkv=Hkv, D=D, num_warps=1)
+                                            Hq=Hq, Hkv=Hkv, D=D, PDL=_pdl(qkv.device),
+                                            launch_pdl=_pdl(qkv.device), num_warps=1)
     return q
 
 
@@ -2024,6 +2065,111 @@ def swiglu_halves(gate_up):
     y = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     _swiglu_halves_kernel[(rows, triton.cdiv(n, 1024))](gate_up, y, n, BLOCK=1024, num_warps=4)
     return y
+
+
+# Matrix-vector products. At batch 1 every projection multiplies one row by a weight matrix:
+# each weight value is read once for two FLOPs, so only bandwidth counts, and Qwen3-0.6B's are
+# small (4-13 MB). cuBLAS's kernels for one row leave most of the bandwidth unused, so these
+# products run on _matvec_kernel: each program takes BLOCK_N weight rows, streams them in
+# BLOCK_K-wide tiles, multiplies on the CUDA cores (one row is too little for the tensor cores)
+# into a (BLOCK_N, BLOCK_K) fp32 accumulator and sums it once at the end; many small programs
+# keep the loads in flight. On the H200, replayed back to back: o_proj 2.8 us against cuBLAS's
+# 12.8; down_proj with its SwiGLU 3.0 against 7.9 for swiglu_halves and cuBLAS. The kernel
+# also takes in the elementwise work before the product:
+# - NORM: RMSNorm of x (after ADD: x + residual, the residual stream, which program 0 writes
+#   out), each program recomputing the row's sum of squares: one row is a few KB, read from L2;
+# - SWIGLU: x holds gate | up, and the product reads silu(gate) * up.
+# Each rounds where add_rms_norm and swiglu_halves round, so the fused step computes what the
+# unfused one does. One row only: a version over 2 or 4 rows lost to cuBLAS on half the shapes
+# (4 rows of gate_up: 12.9 us against 6.2), so batches of 2 and more stay on cuBLAS.
+_MATVEC_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+                   for n, k, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 8),
+                                   (16, 512, 4), (16, 512, 8))]
+if INTERPRET:
+    _MATVEC_CONFIGS = [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32}, num_warps=4)]
+
+
+@triton.autotune(configs=_MATVEC_CONFIGS, key=["N", "K", "NORM", "ADD", "SWIGLU"])
+@triton.jit
+def _matvec_kernel(X, R, X_OUT, NORM_W, W, Y, eps, N, K: tl.constexpr, NORM: tl.constexpr,
+                   ADD: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Y (N,) = W (N, K) @ x, x read from X (K,), or (2K,) under SWIGLU. NORM: x = RMSNorm(X
+    # [+ R]) * NORM_W; ADD: X + R rounded to X's dtype, also written to X_OUT. K is a constexpr:
+    # the loops unroll, and the first weight tile is loaded before anything else.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    w_mask = (offs_n < N)[:, None]
+    w = tl.load(w_ptrs, mask=w_mask & (offs_k < K)[None, :], other=0.0)
+    _wait_for_inputs(PDL)  # the weights are no earlier kernel's output, the rest may be
+    rstd = 0.0
+    if NORM:  # a first pass over the row for its rms
+        sum_sq = tl.zeros([BLOCK_K], tl.float32)
+        for k in tl.static_range(0, K, BLOCK_K):
+            x = _matvec_input(X, R, k + offs_k, K, ADD)
+            if ADD and pid == 0:
+                tl.store(X_OUT + k + offs_k, x, mask=k + offs_k < K)
+            sum_sq += x.to(tl.float32) * x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k in tl.static_range(0, K, BLOCK_K):
+        cols = k + offs_k
+        if k > 0:
+            w = tl.load(w_ptrs + k, mask=w_mask & (cols < K)[None, :], other=0.0)
+        if SWIGLU:
+            g = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            u = tl.load(X + K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            x = (g * _sigmoid(g) * u).to(W.dtype.element_ty)
+        else:
+            x = _matvec_input(X, R, cols, K, ADD)
+            if NORM:
+                nw = tl.load(NORM_W + cols, mask=cols < K, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * rstd * nw).to(W.dtype.element_ty)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(Y + offs_n, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _matvec_input(X, R, cols, K, ADD: tl.constexpr):
+    # columns cols of X, plus R's when ADD, rounded as torch's add rounds
+    x = tl.load(X + cols, mask=cols < K, other=0.0)
+    if ADD:
+        r = tl.load(R + cols, mask=cols < K, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+    return x
+
+
+def matvec(x, weight, *, residual=None, norm_weight=None, eps=1e-6, swiglu=False):
+    """x (1, K) @ weight (N, K)^T -> (1, N) on _matvec_kernel, with the elementwise work before
+    it fused in:
+      norm_weight: the product reads RMSNorm(x') * norm_weight, x' = x + residual (residual
+        given) or x; returns (y, x'): x' is the new residual stream (x itself without residual);
+      swiglu: x is (1, 2K), gate | up, and the product reads silu(gate) * up."""
+    _check_tensor("x", x)
+    _check_tensor("weight", weight, dtypes=(x.dtype,), device=x.device)
+    N, K = weight.shape if weight.dim() == 2 else (0, 0)
+    if x.shape != (1, 2 * K if swiglu else K) or weight.dim() != 2 or \
+            (swiglu and norm_weight is not None):
+        raise ValueError(f"matvec: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit "
+                         f"(x (1, {'2K' if swiglu else 'K'}), weight (N, K)"
+                         f"{'; swiglu or norm_weight, not both' if swiglu and norm_weight is not None else ''})")
+    if residual is not None and norm_weight is None:
+        raise ValueError("matvec: residual is added before the norm; give norm_weight too")
+    for name, t, shape in (("residual", residual, x.shape), ("norm_weight", norm_weight, (K,))):
+        if t is not None:
+            _check_tensor(name, t, dtypes=(x.dtype,), device=x.device)
+            if t.shape != shape:
+                raise ValueError(f"matvec: {name} is {tuple(t.shape)}, expected {tuple(shape)}")
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    x_out = torch.empty_like(x) if residual is not None else x
+    pdl = _pdl(x.device)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _matvec_kernel[grid](x, residual, x_out, norm_weight, weight, y, eps, N, K=K,
+                         NORM=norm_weight is not None, ADD=residual is not None, SWIGLU=swiglu,
+                         PDL=pdl, launch_pdl=pdl)
+    return (y, x_out) if norm_weight is not None else y
 
 
 def _concatenate(*linears):
@@ -2052,6 +2198,31 @@ def fuse_projections(model):
     return model
 
 
+def _on_matvec(x, weight):
+    """Whether x @ weight^T runs on matvec: a single row, up to 3,072 columns. Measured on the
+    H200 at batch 1: Qwen3-0.6B's step (1,024-3,072 columns) took 784 us on matvec, 856 with
+    its output layer on cuBLAS; Qwen3-8B's (4,096 and 12,288) 5.26 ms on matvec, 4.77 on cuBLAS,
+    whose kernels stream long rows better (down_proj cold: 62.6 us against 39.6)."""
+    return x.shape[0] == 1 and weight.shape[1] <= 3072
+
+
+def norm_linear(x, residual, norm_weight, eps, weight):
+    """RMSNorm(x + residual) * norm_weight @ weight^T and x + residual, the new residual stream
+    (residual None: x itself): one matvec launch for a single row, else add_rms_norm (which
+    adds in place) and cuBLAS."""
+    if _on_matvec(x, weight):
+        return matvec(x, weight, residual=residual, norm_weight=norm_weight, eps=eps)
+    return F.linear(add_rms_norm(x, residual, norm_weight, eps), weight), x
+
+
+def linear(x, weight, swiglu=False):
+    """x @ weight^T (swiglu: silu(gate) * up of x = gate | up): matvec for a single row, else
+    cuBLAS (after swiglu_halves)."""
+    if _on_matvec(x, weight):
+        return matvec(x, weight, swiglu=swiglu)
+    return F.linear(swiglu_halves(x) if swiglu else x, weight)
+
+
 def fast_decode(model, ids, positions, cache):
     """Logits (B, V) of one token a row, on the fused kernels: ids, positions (B,) on the device,
     the keys and values of earlier positions in cache rows 0..B-1, this token's written at its
@@ -2059,20 +2230,23 @@ def fast_decode(model, ids, positions, cache):
     position, so the step's launches do not depend on the positions: a graph can hold them.
     Needs fuse_projections(model) first."""
     B, eps = ids.shape[0], model.cfg.rms_norm_eps
-    x = model.model.embed_tokens(ids)  # (B, C): the residual stream, updated in place
+    x = model.model.embed_tokens(ids)  # (B, C): the residual stream
     h = None  # what the last sub-block adds to x
     lengths = positions + 1  # (B,): keys each row attends to, this token's included
     for layer, block in enumerate(model.model.layers):
         attn, mlp = block.self_attn, block.mlp
         k_cache, v_cache = cache.k[layer, :B], cache.v[layer, :B]  # (B, Hkv, length, D)
-        normed = add_rms_norm(x, h, block.input_layernorm.weight, eps)
-        q = qk_norm_rope(F.linear(normed, attn.qkv_weight), positions, model.inv_freq,
-                         attn.q_norm.weight, attn.k_norm.weight, eps, k_cache, v_cache)
+        qkv, x = norm_linear(x, h, block.input_layernorm.weight, eps, attn.qkv_weight)
+        q = qk_norm_rope(qkv, positions, model.inv_freq, attn.q_norm.weight, attn.k_norm.weight,
+                         eps, k_cache, v_cache)
         out = decode_attention(q, k_cache, v_cache, lengths, cache.length)  # (B, Hq, D)
-        h = F.linear(out.view(B, -1), attn.o_proj.weight)  # (B, C)
-        normed = add_rms_norm(x, h, block.post_attention_layernorm.weight, eps)
-        h = F.linear(swiglu_halves(F.linear(normed, mlp.gate_up_weight)), mlp.down_proj.weight)
-    return model.logits(add_rms_norm(x, h, model.model.norm.weight, eps))
+        h = linear(out.view(B, -1), attn.o_proj.weight)  # (B, C)
+        gate_up, x = norm_linear(x, h, block.post_attention_layernorm.weight, eps,
+                                 mlp.gate_up_weight)
+        h = linear(gate_up, mlp.down_proj.weight, swiglu=True)
+    tied = model.cfg.tie_word_embeddings
+    head = model.model.embed_tokens.weight if tied else model.lm_head.weight
+    return norm_linear(x, h, model.model.norm.weight, eps, head)[0]
 
 
 def graph_bucket(batch):
@@ -3228,7 +3402,7 @@ class ModelRunner:
     steps run fast_decode, replayed from CUDA graphs on a GPU unless enforce_eager, and with
     async_scheduling each one is launched before the tokens of the step before it are read."""
 
-    def __init__(self, model, enforce_eager=False, async_scheduling=False):
+    def __init__(self, model, enforce_eager=False, async_scheduling=True):
         self.model = model
         self.device = model.inv_freq.device
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -3358,7 +3532,7 @@ class LLMEngine:
     """Requests in, one step at a time, finished sequences out."""
 
     def __init__(self, model, eos_token_ids, max_batch_size, enforce_eager=False,
-                 async_scheduling=False):
+                 async_scheduling=True):
         self.runner = ModelRunner(model, enforce_eager, async_scheduling)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -3400,11 +3574,12 @@ class LLM:
     limit: the model's max_position_embeddings). max_batch_size: sequences per batch.
     enforce_eager: decode without CUDA graphs (vLLM's name), to compare or to debug.
     async_scheduling: launch each decode step on the kernels before the previous step's tokens
-    reach the host (vLLM's name); the outputs are the same.
+    reach the host (vLLM's name; on by default, as SGLang's overlap scheduler); the outputs are
+    the same, and turning it off shows what the overlap buys (bench_engine's "plain" rows).
     """
 
     def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
-                 max_batch_size=16, enforce_eager=False, async_scheduling=False, data_dir=None):
+                 max_batch_size=16, enforce_eager=False, async_scheduling=True, data_dir=None):
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
                             f"{type(tokenizer).__name__}")
@@ -3702,17 +3877,24 @@ def _timed(fn):
     return time.perf_counter() - start
 
 
-def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=False):
-    """Decode tokens/s of LLM.generate (batch prompts of random ids, new_tokens each, greedy),
-    and the GPU time of one decode step alone: its graph replayed back to back (ms)."""
+def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
+    """LLM.generate of batch prompts of random ids, new_tokens each, greedy: tokens/s end to end
+    (prefill included); the time of one decode step (s): that of new_tokens steps less that of
+    one (the prefill and the first token), over new_tokens - 1; and the GPU's share of the
+    step: its graph replayed back to back (ms)."""
     llm = LLM(model, max_batch_size=batch, async_scheduling=async_scheduling)
     prompts = random_prompts(model.cfg.vocab_size, [prompt_len] * batch, seed=batch)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    tok_s = batch * new_tokens / _timed(lambda: llm.generate(prompts, params))
+
+    def seconds(n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return _timed(lambda: llm.generate(prompts, params))
+
+    total, first = seconds(new_tokens), seconds(1)
     device = _device_of(model)
     ids = torch.zeros(batch, dtype=torch.int64, device=device)
     positions = torch.full((batch,), prompt_len + new_tokens // 2, device=device)
-    return tok_s, _ms(lambda: llm.engine.runner.graphs(ids, positions))
+    replay_ms = _ms(lambda: llm.engine.runner.graphs(ids, positions))
+    return batch * new_tokens / total, (total - first) / (new_tokens - 1), replay_ms
 
 
 def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implementation):
@@ -3734,13 +3916,13 @@ def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implemen
 
 
 def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_tokens=128):
-    """Decode tokens/s (prefill included) and the bandwidth it implies, for each shape of
-    BENCH_MODELS and batch size, against transformers in the same run; beside them the time of
-    a whole engine step and of the GPU's share (the step's graph replayed back to back): the
-    difference is host time, which async scheduling overlaps with the GPU's work. Returns
-    {(model, batch): {"plain": engine, "async": engine, "transformers": tokens/s,
-    "transformers_static": tokens/s}} with engine = {"tok_s", "of_copy", "step_us", "gpu_us"},
-    or None without a GPU."""
+    """For each shape of BENCH_MODELS and batch size: generation tokens/s end to end (prefill
+    included), against transformers' generate in the same run; the time of a decode step (prefill
+    excluded) and the bandwidth it implies; and the GPU's share of the step (its graph replayed
+    back to back): the difference is host time, which async scheduling overlaps with the GPU's
+    work. Returns {(model, batch): {"plain": engine, "async": engine, "transformers": tokens/s,
+    "transformers_static": tokens/s}} with engine = {"tok_s", "of_copy", "step_us", "gpu_us"}
+    ("plain": async_scheduling off), or None without a GPU."""
     if device.type != "cuda":
         print("decode bench: needs a CUDA GPU; skipped")
         return None
@@ -3750,6 +3932,9 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
         transformers = None
         print("(transformers is not installed: the baseline columns stay empty)")
     copy_gbs = _bench_copy_gbs()
+    print("tok/s: generation end to end, prefill included, as transformers' columns; step: one "
+          "decode step,\nprefill excluded, and the GB/s it reads; GPU: its graph replayed alone. "
+          "plain: async_scheduling off.")
     results = {}
     for name, cfg in BENCH_MODELS.items():
         model = random_model(cfg, device, torch.bfloat16)
@@ -3762,9 +3947,10 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
         for batch in batches:
             row = results[name, batch] = {}
             for mode in ("plain", "async"):
-                tok_s, replay_ms = engine_rate(model, batch, prompt_len, new_tokens, mode == "async")
-                gbs = bytes_per_step(model, batch, context) * tok_s / batch / 1e9
-                row[mode] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs, step_us=batch / tok_s * 1e6,
+                tok_s, step_s, replay_ms = engine_rate(model, batch, prompt_len, new_tokens,
+                                                       mode == "async")
+                gbs = bytes_per_step(model, batch, context) / step_s / 1e9
+                row[mode] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs, step_us=step_s * 1e6,
                                  gpu_us=replay_ms * 1e3)
         del model
         torch.cuda.empty_cache()

@@ -1088,7 +1088,7 @@ def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
               q7.SamplingParams(temperature=1.0, seed=5, max_tokens=13, ignore_eos=True,
                                 logprobs=0),
               q7.SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)]
-    plain = q7.LLM(model, max_batch_size=3)
+    plain = q7.LLM(model, max_batch_size=3, async_scheduling=False)
     stop = plain.generate(prompts, params)[2].token_ids[3]  # row 2 stops at its fourth token or before
     params[2] = q7.SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[stop])
     expected = plain.generate(prompts, params)
@@ -1155,7 +1155,7 @@ def test_decode_attention(q7, case):
 
 
 def test_decode_attention_split_rule_and_edges(q7, monkeypatch):
-    """The split rule's count on an H200's 132 SMs (3 splits of 208 keys here); max_len below
+    """The split rule's count on an H200's 132 SMs (5 splits of 128 keys here); max_len below
     the cache's length (the engine's kv_len); a length past max_len (clamped to it); a row of
     length 0 (output 0); int64 lengths; a custom scale."""
     monkeypatch.setattr(q7, "_num_sms", lambda device: 132)
@@ -1165,7 +1165,7 @@ def test_decode_attention_split_rule_and_edges(q7, monkeypatch):
     monkeypatch.setattr(q7, "_decode_merge_kernel", MergeSpy(q7._decode_merge_kernel, launched))
     out = q7.decode_attention(*(x.float().to(DEVICE) for x in (q, k, v)), lengths.to(DEVICE),
                               max_len=600, sm_scale=0.2)
-    assert launched == [3]  # wanted: 4 * 132 / 3 programs; capped by 600 / 256 keys a split
+    assert launched == [5]  # wanted: 4 * 132 / 3 programs; capped by 600 / 128 keys a split
     expected = decode_float64(q * 0.2 * math.sqrt(64), k, v, lengths.clamp(max=600))
     assert (out.cpu().double() - expected).abs().max().item() < 1e-5
     assert out[1].abs().max().item() == 0
@@ -1185,10 +1185,11 @@ class MergeSpy:
 
 
 def test_decode_split_rule(q7):
-    """Four programs an SM, at least 256 keys a split, at most 64 splits (132 SMs)."""
+    """Four programs an SM, at least 128 keys a split, at most 64 splits (132 SMs)."""
     assert q7.decode_splits(64, 8, 4096, 132) == 2  # 512 programs < 528
     assert q7.decode_splits(128, 8, 4096, 132) == 1
-    assert q7.decode_splits(1, 8, 4096, 132) == 16  # 256-key splits
+    assert q7.decode_splits(1, 8, 4096, 132) == 32  # 128-key splits
+    assert q7.decode_splits(1, 8, 272, 132) == 3
     assert q7.decode_splits(1, 8, 40960, 132) == 64  # 66 wanted
     assert q7.decode_splits(1, 8, 100, 132) == 1
 
@@ -1338,6 +1339,44 @@ def test_swiglu_halves_kernel(q7):
     assert ((y.double() - F.silu(g) * u).abs().max()).item() < 1e-5
 
 
+def matvec_float64(x, w, kind, r=None, nw=None, eps=0.05, dtype=torch.float32):
+    """What matvec computes, in float64, rounding to dtype where the kernel rounds: the residual
+    sum, the normalized row and silu(gate) * up; the product itself unrounded."""
+    if kind == "swiglu":
+        g, u = x.chunk(2, dim=-1)
+        x = (F.silu(g) * u).to(dtype).double()
+    elif kind != "plain":
+        if kind == "add_norm":
+            x = (x.to(dtype) + r.to(dtype)).double()
+        x = (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * nw).to(dtype).double()
+    return x @ w.T
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("kind", ["plain", "norm", "add_norm", "swiglu"])
+def test_matvec_kernel(q7, dtype, tol, kind):
+    """Each prologue of matvec against float64, at a width (100) that is no multiple of the tile,
+    so every load's mask counts; add_norm also returns x + r, rounded as torch's add."""
+    N, K, rows = 36, 100, 1
+    x = gen64(rows, 2 * K if kind == "swiglu" else K, seed=11) * 2
+    r, w, nw = gen64(rows, K, seed=12), gen64(N, K, seed=13), gen64(K, seed=14) + 1
+    kwargs = {} if kind in ("plain", "swiglu") else dict(norm_weight=nw.to(DEVICE, dtype), eps=0.05)
+    if kind == "add_norm":
+        kwargs["residual"] = r.to(DEVICE, dtype)
+    x_in = x.to(DEVICE, dtype)
+    out = q7.matvec(x_in, w.to(DEVICE, dtype), swiglu=kind == "swiglu", **kwargs)
+    y, stream = out if "norm" in kind else (out, None)
+    expected = matvec_float64(x.to(dtype).double(), w.to(dtype).double(), kind, r,
+                              nw.to(dtype).double(), dtype=dtype)
+    assert y.shape == (rows, N) and y.dtype == dtype
+    assert ((y.cpu().double() - expected).norm() / expected.norm()).item() < tol
+    if kind == "norm":
+        assert stream is x_in  # no residual: the stream is x itself
+    if kind == "add_norm":
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 and q7.INTERPRET else 0.0  # see add_rms_norm's
+        torch.testing.assert_close(stream.cpu(), x_in.cpu() + r.to(dtype), rtol=ulp, atol=0)
+
+
 def test_fused_kernels_refuse_bad_inputs(q7):
     ones = functools.partial(torch.ones, device=DEVICE)
     with pytest.raises(ValueError, match=r"residual \(2, 5\) and x \(2, 4\) differ"):
@@ -1353,6 +1392,18 @@ def test_fused_kernels_refuse_bad_inputs(q7):
                         1e-6, cache, cache)
     with pytest.raises(ValueError, match=r"gate_up must be \(rows, 2n\)"):
         q7.swiglu_halves(ones(2, 5))
+    with pytest.raises(ValueError, match=r"matvec: x \(5, 8\) and weight \(3, 8\) do not fit"):
+        q7.matvec(ones(5, 8), ones(3, 8))  # one row only
+    with pytest.raises(ValueError, match=r"x \(1, 8\) and weight \(3, 8\) do not fit .*2K"):
+        q7.matvec(ones(1, 8), ones(3, 8), swiglu=True)
+    with pytest.raises(ValueError, match="swiglu or norm_weight, not both"):
+        q7.matvec(ones(1, 16), ones(3, 8), swiglu=True, norm_weight=ones(8))
+    with pytest.raises(ValueError, match="give norm_weight too"):
+        q7.matvec(ones(1, 8), ones(3, 8), residual=ones(1, 8))
+    with pytest.raises(ValueError, match=r"norm_weight is \(9,\), expected \(8,\)"):
+        q7.matvec(ones(1, 8), ones(3, 8), norm_weight=ones(9))
+    with pytest.raises(TypeError, match="weight has dtype torch.float16"):
+        q7.matvec(ones(1, 8), ones(3, 8, dtype=torch.float16))
 
 
 def test_fuse_projections_keeps_the_parameters(q7, hf_dir):
@@ -1375,22 +1426,24 @@ def test_fuse_projections_keeps_the_parameters(q7, hf_dir):
     assert torch.equal(attn.qkv_weight[:128], before["model.layers.1.self_attn.q_proj.weight"] + 1)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @torch.no_grad()
-def test_fast_decode_matches_the_model_path(q7, hf_dir):
-    """fast_decode on the kernels (interpreter) against the model's torch path: a ragged prefill
-    into two caches, then five one-token steps at each row's own position, in a cache longer than
-    the rows (attention bounded by the cache's length, each row by its own); logits within 1e-4,
-    and the caches alike."""
+def test_fast_decode_matches_the_model_path(q7, hf_dir, rows):
+    """fast_decode on the kernels (interpreter) against the model's torch path: a prefill into two
+    caches (ragged with 2 rows), then five one-token steps at each row's own position, in a cache
+    longer than the rows (attention bounded by the cache's length, each row by its own); logits
+    within 1e-4, and the caches alike. One row takes matvec's fused projections, two take
+    add_rms_norm, swiglu_halves and torch's matmuls."""
     model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32)
-    ids = torch.tensor([random_ids(12, seed=8), random_ids(12, seed=9)], device=DEVICE)
-    caches = [q7.KVCache(model.cfg, rows=2, length=24, device=DEVICE, dtype=torch.float32)
+    ids = torch.tensor([random_ids(12, seed=8), random_ids(12, seed=9)][:rows], device=DEVICE)
+    caches = [q7.KVCache(model.cfg, rows=rows, length=24, device=DEVICE, dtype=torch.float32)
               for _ in range(2)]
     for cache in caches:
         model.use_kernels(False).hidden_states(ids[:, :7], cache=cache)  # row 1: 4 tokens, padding
     q7.fuse_projections(model.use_kernels(True))
-    pos = torch.tensor([7, 4], device=DEVICE)
+    pos = torch.tensor([7, 4][:rows], device=DEVICE)
     for _ in range(5):
-        step = ids[torch.arange(2), pos]  # (2,)
+        step = ids[torch.arange(rows), pos]  # (rows,)
         fast = q7.fast_decode(model, step, pos, caches[1])
         model.use_kernels(False)
         expected = model(step[:, None], pos[:, None], caches[0], kv_len=int(pos.max()) + 1)[:, 0]
@@ -2547,19 +2600,20 @@ def small_cuda_model(q7, dtype):
 @torch.no_grad()
 def test_gpu_graph_replay_equals_eager_fast_decode(q7):
     """DecodeGraphs against fast_decode run eagerly on twin caches: bitwise equal logits and
-    caches, for a batch of 3 (bucket 4, one padded row) and then of 1, over several steps; and
-    fast_decode no further from the model's torch path in float32 than that path is in bf16."""
+    caches, for a batch of 6 (bucket 8, on cuBLAS), of 3 (bucket 4, on matvec, one padded row)
+    and of 1, over several steps; and fast_decode no further from the model's torch path in
+    float32 than that path is in bf16."""
     model = small_cuda_model(q7, torch.bfloat16)
     fp32 = copy.deepcopy(model).float().use_kernels(False)  # the reference
     fp32.inv_freq = model.inv_freq
-    ids = torch.randint(0, 1000, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    caches = [q7.KVCache(model.cfg, rows=4, length=64, device="cuda", dtype=dtype)
+    ids = torch.randint(0, 1000, (6, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    caches = [q7.KVCache(model.cfg, rows=8, length=64, device="cuda", dtype=dtype)
               for dtype in (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)]
     for cache in caches[:3]:
         model.hidden_states(ids[:, :20], cache=cache)
     fp32.hidden_states(ids[:, :20], cache=caches[3])
     graphs = q7.DecodeGraphs(model, caches[0])
-    for batch, steps in ((3, 3), (1, 2)):
+    for batch, steps in ((6, 2), (3, 3), (1, 2)):
         pos = torch.arange(20, 20 + batch, device="cuda")  # rows at different positions
         for _ in range(steps):
             step = ids[torch.arange(batch, device="cuda"), pos]
@@ -2575,7 +2629,8 @@ def test_gpu_graph_replay_equals_eager_fast_decode(q7):
                       for x in (eager, torch_bf16)]
             assert errors[0] < 1.5 * errors[1] + 1e-3, errors
             pos += 1
-    assert sorted(graphs.graphs) == [1, 4]
+    assert sorted(graphs.graphs) == [1, 4, 8]
+    # rows 0-2 ran in every batch (the graphs' padded rows rewrite rows 3 and up)
     assert torch.equal(caches[0].k[:, :3], caches[1].k[:, :3])
     assert torch.equal(caches[0].v[:, :3], caches[1].v[:, :3])
 
@@ -2588,9 +2643,9 @@ def test_gpu_engine_with_graphs_equals_enforce_eager(q7):
     a bucket and that do not."""
     model = small_cuda_model(q7, torch.bfloat16)
     prompts = [random_ids(n, vocab=1000, seed=n) for n in (5, 17, 9)]
-    graphed = q7.LLM(model, max_batch_size=3)
+    graphed = q7.LLM(model, max_batch_size=3, async_scheduling=False)
     overlapped = q7.LLM(model, max_batch_size=3, async_scheduling=True)
-    eager = q7.LLM(model, max_batch_size=3, enforce_eager=True)
+    eager = q7.LLM(model, max_batch_size=3, enforce_eager=True, async_scheduling=False)
     for params in (q7.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
                    [q7.SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12,
                                       ignore_eos=True, logprobs=0) for i in range(3)]):
@@ -2609,7 +2664,7 @@ def test_gpu_bench_engine_runs(q7, monkeypatch, capsys):
     """bench_engine end to end on a small shape: every column filled, rates positive, and the
     bandwidth below what the copy reached (it is a lower bound on bytes moved)."""
     monkeypatch.setattr(q7, "BENCH_MODELS", {"small": small_cuda_model(q7, torch.bfloat16).cfg})
-    results = q7.bench_engine(torch.device("cuda"), batches=(1, 2), new_tokens=8, hf_tokens=4)
+    results = q7.bench_engine(torch.device("cuda"), batches=(1, 2), new_tokens=32, hf_tokens=4)
     out = capsys.readouterr().out
     assert "GPU ops a decode step on the model's path" in out
     for row in results.values():
