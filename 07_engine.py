@@ -28,8 +28,8 @@ What this stage teaches
         merges; the query heads of a GQA group share each K/V load); `fast_decode`, the
         one-token step on fewer kernels (fused projections; q/k norm + RoPE + the cache write in
         one kernel; at batch 1 `matvec`, a matrix-vector kernel that takes in the residual add
-        and RMSNorm or the SwiGLU before it), each launched before the previous one ends
-        (programmatic dependent launch); `DecodeGraphs`, that step captured in a CUDA graph per
+        and RMSNorm or the SwiGLU before it), the stage's kernels launched before the previous
+        one ends (programmatic dependent launch); `DecodeGraphs`, that step captured in a CUDA graph per
         batch-size bucket and replayed by the engine on a GPU; async scheduling (on by
         default), each step launched before the previous one's tokens are read.
         `--bench` measures decode attention against copy bandwidth and SDPA, and decode
@@ -1830,8 +1830,12 @@ class Qwen3(nn.Module):
 
     def logits(self, h):
         """h (..., C) -> logits (..., V)."""
+        return F.linear(h, self.output_weight())
+
+    def output_weight(self):
+        """The output layer's (V, C) weight: the embedding matrix when they are tied."""
         tied = self.cfg.tie_word_embeddings
-        return F.linear(h, self.model.embed_tokens.weight if tied else self.lm_head.weight)
+        return self.model.embed_tokens.weight if tied else self.lm_head.weight
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -1910,7 +1914,8 @@ class KVCache:
 #   all of Qwen3-0.6B's, _on_matvec) run on a matrix-vector kernel (matvec) that also does the
 #   residual add and RMSNorm before it, or the SwiGLU; the others are cuBLAS's matmuls, with the
 #   add and norm (add_rms_norm) and SwiGLU (swiglu_halves) as kernels of their own. fast_decode
-#   is the whole step on them: for Qwen3-0.6B 171 GPU ops at batch 1, 285 at batch 16. It
+#   is the whole step on them: for Qwen3-0.6B 171 GPU ops at batch 1, 285 at batch 16 (over a
+#   short cache, one attention split; a longer one adds a merge kernel a layer). It
 #   equals the model's path up to rounding: each kernel computes in fp32 and rounds once, where
 #   torch rounds after every op.
 # - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
@@ -1918,8 +1923,9 @@ class KVCache:
 #   addresses and shapes: the ids and positions are copied into its input buffers, the cache is
 #   the same tensors throughout (KVCache), a batch is padded up to its bucket, and attention is
 #   bounded by the cache's length, each row's own length staying on the device.
-# - No idle gap between kernels: each starts while the one before it ends (programmatic
-#   dependent launch, below). The 0.6B step's graph: 755 us with it, 877 without.
+# - No idle gap between kernels: matvec, qk_norm_rope and decode attention start while the
+#   kernel before them ends (programmatic dependent launch, below). The 0.6B step's graph at
+#   batch 1, in one run: 755 us with it, 877 without.
 # What is left is the host: the graph's launch, the sampler and the token's trip to the host,
 # during which the GPU would wait. With async_scheduling (ModelRunner.run) step n + 1 is
 # launched, fed with step n's tokens on the device, before those tokens are read back, so the
@@ -1928,7 +1934,8 @@ class KVCache:
 # Programmatic dependent launch (PDL, Hopper on). Even inside a graph, a kernel starts only after
 # the previous one has ended: its programs are scheduled, its first loads go out and come back,
 # while the GPU waits, a few us a kernel, many times over in a step of 171 kernels. Launched with
-# launch_pdl, the fast step's kernels start while the previous one runs: each calls
+# launch_pdl, the fast step's own kernels (matvec, qk_norm_rope, decode attention; the others
+# are torch's and cuBLAS's) start while the previous one runs: each calls
 # _wait_for_inputs before it reads anything an earlier kernel writes (and before it writes), and
 # the matrix-vector kernel loads its first weight tile before that call, so the weights are on
 # their way while the previous kernel finishes. A kernel that waits also waited for the ones
@@ -2080,7 +2087,7 @@ def swiglu_halves(gate_up):
 #   out), each program recomputing the row's sum of squares: one row is a few KB, read from L2;
 # - SWIGLU: x holds gate | up, and the product reads silu(gate) * up.
 # Each rounds where add_rms_norm and swiglu_halves round, so the fused step computes what the
-# unfused one does. One row only: a version over 2 or 4 rows lost to cuBLAS on half the shapes
+# unfused one does, up to the order of the fp32 sums. One row only: a version over 2 or 4 rows lost to cuBLAS on half the shapes
 # (4 rows of gate_up: 12.9 us against 6.2), so batches of 2 and more stay on cuBLAS.
 _MATVEC_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 8),
@@ -2149,12 +2156,12 @@ def matvec(x, weight, *, residual=None, norm_weight=None, eps=1e-6, swiglu=False
       swiglu: x is (1, 2K), gate | up, and the product reads silu(gate) * up."""
     _check_tensor("x", x)
     _check_tensor("weight", weight, dtypes=(x.dtype,), device=x.device)
+    if swiglu and norm_weight is not None:
+        raise ValueError("matvec: swiglu or norm_weight, not both")
     N, K = weight.shape if weight.dim() == 2 else (0, 0)
-    if x.shape != (1, 2 * K if swiglu else K) or weight.dim() != 2 or \
-            (swiglu and norm_weight is not None):
+    if x.shape != (1, 2 * K if swiglu else K) or weight.dim() != 2:
         raise ValueError(f"matvec: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit "
-                         f"(x (1, {'2K' if swiglu else 'K'}), weight (N, K)"
-                         f"{'; swiglu or norm_weight, not both' if swiglu and norm_weight is not None else ''})")
+                         f"(x (1, {'2K' if swiglu else 'K'}), weight (N, K))")
     if residual is not None and norm_weight is None:
         raise ValueError("matvec: residual is added before the norm; give norm_weight too")
     for name, t, shape in (("residual", residual, x.shape), ("norm_weight", norm_weight, (K,))):
@@ -2208,16 +2215,16 @@ def _on_matvec(x, weight):
 
 def norm_linear(x, residual, norm_weight, eps, weight):
     """RMSNorm(x + residual) * norm_weight @ weight^T and x + residual, the new residual stream
-    (residual None: x itself): one matvec launch for a single row, else add_rms_norm (which
-    adds in place) and cuBLAS."""
+    (residual None: x itself): one matvec launch where _on_matvec says so (a single row, up to
+    3,072 columns), else add_rms_norm (which adds in place) and cuBLAS."""
     if _on_matvec(x, weight):
         return matvec(x, weight, residual=residual, norm_weight=norm_weight, eps=eps)
     return F.linear(add_rms_norm(x, residual, norm_weight, eps), weight), x
 
 
 def linear(x, weight, swiglu=False):
-    """x @ weight^T (swiglu: silu(gate) * up of x = gate | up): matvec for a single row, else
-    cuBLAS (after swiglu_halves)."""
+    """x @ weight^T (swiglu: silu(gate) * up of x = gate | up): matvec where _on_matvec says so,
+    else cuBLAS (after swiglu_halves)."""
     if _on_matvec(x, weight):
         return matvec(x, weight, swiglu=swiglu)
     return F.linear(swiglu_halves(x) if swiglu else x, weight)
@@ -2244,9 +2251,7 @@ def fast_decode(model, ids, positions, cache):
         gate_up, x = norm_linear(x, h, block.post_attention_layernorm.weight, eps,
                                  mlp.gate_up_weight)
         h = linear(gate_up, mlp.down_proj.weight, swiglu=True)
-    tied = model.cfg.tie_word_embeddings
-    head = model.model.embed_tokens.weight if tied else model.lm_head.weight
-    return norm_linear(x, h, model.model.norm.weight, eps, head)[0]
+    return norm_linear(x, h, model.model.norm.weight, eps, model.output_weight())[0]
 
 
 def graph_bucket(batch):
@@ -3882,6 +3887,8 @@ def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
     (prefill included); the time of one decode step (s): that of new_tokens steps less that of
     one (the prefill and the first token), over new_tokens - 1; and the GPU's share of the
     step: its graph replayed back to back (ms)."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens = {new_tokens}: a decode step's time needs at least 2")
     llm = LLM(model, max_batch_size=batch, async_scheduling=async_scheduling)
     prompts = random_prompts(model.cfg.vocab_size, [prompt_len] * batch, seed=batch)
 

@@ -1354,10 +1354,12 @@ def matvec_float64(x, w, kind, r=None, nw=None, eps=0.05, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("kind", ["plain", "norm", "add_norm", "swiglu"])
-def test_matvec_kernel(q7, dtype, tol, kind):
-    """Each prologue of matvec against float64, at a width (100) that is no multiple of the tile,
-    so every load's mask counts; add_norm also returns x + r, rounded as torch's add."""
-    N, K, rows = 36, 100, 1
+@pytest.mark.parametrize("N, K", [(37, 100), (6, 20)])
+def test_matvec_kernel(q7, dtype, tol, kind, N, K):
+    """Each prologue of matvec against float64, at sizes that are no multiple of the tiles (the
+    second narrower than one), so every mask counts; add_norm also returns x + r, rounded as
+    torch's add."""
+    rows = 1
     x = gen64(rows, 2 * K if kind == "swiglu" else K, seed=11) * 2
     r, w, nw = gen64(rows, K, seed=12), gen64(N, K, seed=13), gen64(K, seed=14) + 1
     kwargs = {} if kind in ("plain", "swiglu") else dict(norm_weight=nw.to(DEVICE, dtype), eps=0.05)
@@ -1404,6 +1406,8 @@ def test_fused_kernels_refuse_bad_inputs(q7):
         q7.matvec(ones(1, 8), ones(3, 8), norm_weight=ones(9))
     with pytest.raises(TypeError, match="weight has dtype torch.float16"):
         q7.matvec(ones(1, 8), ones(3, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="weight is on meta"):
+        q7.matvec(ones(1, 8), torch.ones(3, 8, device="meta"))
 
 
 def test_fuse_projections_keeps_the_parameters(q7, hf_dir):
@@ -1426,14 +1430,18 @@ def test_fuse_projections_keeps_the_parameters(q7, hf_dir):
     assert torch.equal(attn.qkv_weight[:128], before["model.layers.1.self_attn.q_proj.weight"] + 1)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows, mixed", [(1, False), (1, True), (2, False)])
 @torch.no_grad()
-def test_fast_decode_matches_the_model_path(q7, hf_dir, rows):
+def test_fast_decode_matches_the_model_path(q7, hf_dir, monkeypatch, rows, mixed):
     """fast_decode on the kernels (interpreter) against the model's torch path: a prefill into two
     caches (ragged with 2 rows), then five one-token steps at each row's own position, in a cache
     longer than the rows (attention bounded by the cache's length, each row by its own); logits
     within 1e-4, and the caches alike. One row takes matvec's fused projections, two take
-    add_rms_norm, swiglu_halves and torch's matmuls."""
+    add_rms_norm, swiglu_halves and torch's matmuls; mixed: one row with the projections of the
+    48-wide stream on matvec and o_proj and down_proj (128 and 80 columns) on torch's, as a
+    model wider than _on_matvec's limit has some of each."""
+    if mixed:
+        monkeypatch.setattr(q7, "_on_matvec", lambda x, w: x.shape[0] == 1 and w.shape[1] <= 64)
     model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32)
     ids = torch.tensor([random_ids(12, seed=8), random_ids(12, seed=9)][:rows], device=DEVICE)
     caches = [q7.KVCache(model.cfg, rows=rows, length=24, device=DEVICE, dtype=torch.float32)
