@@ -29,9 +29,9 @@ What this stage teaches
         one-token step on fewer kernels (fused projections; q/k norm + RoPE + the cache write in
         one kernel; at batch 1 `matvec`, a matrix-vector kernel that takes in the residual add
         and RMSNorm or the SwiGLU before it), the stage's kernels launched before the previous
-        one ends (programmatic dependent launch); `DecodeGraphs`, that step captured in a CUDA graph per
-        batch-size bucket and replayed by the engine on a GPU; async scheduling (on by
-        default), each step launched before the previous one's tokens are read.
+        one ends (programmatic dependent launch); `DecodeGraphs`, that step captured in a CUDA
+        graph per batch-size bucket and replayed by the engine on a GPU; async scheduling (on
+        by default), each step launched before the previous one's tokens are read.
         `--bench` measures decode attention against copy bandwidth and SDPA, and decode
         tokens/s of Qwen3-0.6B- and Qwen3-8B-shaped models against transformers' generate.
     34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
@@ -1915,9 +1915,9 @@ class KVCache:
 #   residual add and RMSNorm before it, or the SwiGLU; the others are cuBLAS's matmuls, with the
 #   add and norm (add_rms_norm) and SwiGLU (swiglu_halves) as kernels of their own. fast_decode
 #   is the whole step on them: for Qwen3-0.6B 171 GPU ops at batch 1, 285 at batch 16 (over a
-#   short cache, one attention split; a longer one adds a merge kernel a layer). It
-#   equals the model's path up to rounding: each kernel computes in fp32 and rounds once, where
-#   torch rounds after every op.
+#   short cache, one attention split; a longer one adds a merge kernel a layer). It equals the
+#   model's path up to rounding: each kernel computes in fp32 and rounds once, where torch
+#   rounds after every op.
 # - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
 #   (DecodeGraphs), whose replay launches all of it with one call. A graph replays fixed
 #   addresses and shapes: the ids and positions are copied into its input buffers, the cache is
@@ -1935,9 +1935,9 @@ class KVCache:
 # the previous one has ended: its programs are scheduled, its first loads go out and come back,
 # while the GPU waits, a few us a kernel, many times over in a step of 171 kernels. Launched with
 # launch_pdl, the fast step's own kernels (matvec, qk_norm_rope, decode attention; the others
-# are torch's and cuBLAS's) start while the previous one runs: each calls
-# _wait_for_inputs before it reads anything an earlier kernel writes (and before it writes), and
-# the matrix-vector kernel loads its first weight tile before that call, so the weights are on
+# are torch's and cuBLAS's) start while the previous one runs: each calls _wait_for_inputs
+# before it reads anything an earlier kernel writes (and before it writes), and the
+# matrix-vector kernel loads its first weight tile before that call, so the weights are on
 # their way while the previous kernel finishes. A kernel that waits also waited for the ones
 # before it, so every launched-early kernel must wait, in every program, even if it reads no
 # earlier output.
@@ -2046,10 +2046,11 @@ def qk_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, k_cache, v_c
         raise ValueError("qk_norm_rope: k_cache and v_cache must be strided alike, with rows for "
                          "the batch")
     q = torch.empty(B, Hq, D, dtype=qkv.dtype, device=qkv.device)
+    pdl = _pdl(qkv.device)
     _qk_norm_rope_kernel[(B, Hq + 2 * Hkv)](qkv, positions, inv_freq, q_weight, k_weight, q,
                                             k_cache, v_cache, eps, *k_cache.stride()[:3],
-                                            Hq=Hq, Hkv=Hkv, D=D, PDL=_pdl(qkv.device),
-                                            launch_pdl=_pdl(qkv.device), num_warps=1)
+                                            Hq=Hq, Hkv=Hkv, D=D, PDL=pdl, launch_pdl=pdl,
+                                            num_warps=1)
     return q
 
 
@@ -2087,8 +2088,9 @@ def swiglu_halves(gate_up):
 #   out), each program recomputing the row's sum of squares: one row is a few KB, read from L2;
 # - SWIGLU: x holds gate | up, and the product reads silu(gate) * up.
 # Each rounds where add_rms_norm and swiglu_halves round, so the fused step computes what the
-# unfused one does, up to the order of the fp32 sums. One row only: a version over 2 or 4 rows lost to cuBLAS on half the shapes
-# (4 rows of gate_up: 12.9 us against 6.2), so batches of 2 and more stay on cuBLAS.
+# unfused one does, up to the order of the fp32 sums. One row only: a version over 2 or 4 rows
+# lost to cuBLAS on half the shapes (4 rows of gate_up: 12.9 us against 6.2), so batches of 2
+# and more stay on cuBLAS.
 _MATVEC_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 8),
                                    (16, 512, 4), (16, 512, 8))]

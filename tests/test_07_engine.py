@@ -1301,7 +1301,8 @@ def qk_norm_rope_float64(qkv, positions, inv_freq, q_w, k_w, eps, Hq, Hkv, D):
     def norm_rope(x, w):
         x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
         angles = positions.double()[:, None] * inv_freq.double()  # (B, D/2)
-        cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
+        both = torch.cat((angles, angles), -1)[:, None]  # (B, 1, D): each angle for both halves
+        cos, sin = both.cos(), both.sin()
         return x * cos + torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1) * sin
 
     return norm_rope(q, q_w), norm_rope(k, k_w), v
@@ -1359,9 +1360,8 @@ def test_matvec_kernel(q7, dtype, tol, kind, N, K):
     """Each prologue of matvec against float64, at sizes that are no multiple of the tiles (the
     second narrower than one), so every mask counts; add_norm also returns x + r, rounded as
     torch's add."""
-    rows = 1
-    x = gen64(rows, 2 * K if kind == "swiglu" else K, seed=11) * 2
-    r, w, nw = gen64(rows, K, seed=12), gen64(N, K, seed=13), gen64(K, seed=14) + 1
+    x = gen64(1, 2 * K if kind == "swiglu" else K, seed=11) * 2
+    r, w, nw = gen64(1, K, seed=12), gen64(N, K, seed=13), gen64(K, seed=14) + 1
     kwargs = {} if kind in ("plain", "swiglu") else dict(norm_weight=nw.to(DEVICE, dtype), eps=0.05)
     if kind == "add_norm":
         kwargs["residual"] = r.to(DEVICE, dtype)
@@ -1370,7 +1370,7 @@ def test_matvec_kernel(q7, dtype, tol, kind, N, K):
     y, stream = out if "norm" in kind else (out, None)
     expected = matvec_float64(x.to(dtype).double(), w.to(dtype).double(), kind, r,
                               nw.to(dtype).double(), dtype=dtype)
-    assert y.shape == (rows, N) and y.dtype == dtype
+    assert y.shape == (1, N) and y.dtype == dtype
     assert ((y.cpu().double() - expected).norm() / expected.norm()).item() < tol
     if kind == "norm":
         assert stream is x_in  # no residual: the stream is x itself
@@ -2608,8 +2608,8 @@ def small_cuda_model(q7, dtype):
 @torch.no_grad()
 def test_gpu_graph_replay_equals_eager_fast_decode(q7):
     """DecodeGraphs against fast_decode run eagerly on twin caches: bitwise equal logits and
-    caches, for a batch of 6 (bucket 8, on cuBLAS), of 3 (bucket 4, on matvec, one padded row)
-    and of 1, over several steps; and fast_decode no further from the model's torch path in
+    caches, for a batch of 6 (bucket 8) and of 3 (bucket 4, one padded row), on cuBLAS, and of
+    1, on matvec, over several steps; and fast_decode no further from the model's torch path in
     float32 than that path is in bf16."""
     model = small_cuda_model(q7, torch.bfloat16)
     fp32 = copy.deepcopy(model).float().use_kernels(False)  # the reference
