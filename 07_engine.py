@@ -1497,22 +1497,75 @@ _MIN_SPLIT_KEYS = 128
 _MAX_SPLITS = 64  # the merge holds a head's partials in registers: (64, D) fp32
 
 
-@triton.autotune(configs=_DECODE_CONFIGS, key=["CHUNK_BUCKET", "D", "BLOCK_H"])
+# The key loop is shared with the paged kernels below (part 2): a key is found through a
+# contiguous row of the cache, or through the row's block table.
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, lo, hi, last, qk_scale,
+                 stride_kb, stride_kt, stride_vb, stride_vt, D: tl.constexpr,
+                 PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the query rows q (M, D) over keys [lo, hi) of row b, BLOCK_N a step.
+    m_i, l_i (M,): running max (base 2) and sum; acc (M, D): the unnormalized output. K, V point
+    at this program's kv head. Key j is position j of row b of a (B, S) cache, or, PAGED, slot
+    j % PAGE of page BLOCK_TABLES[j // PAGE] of a (num_blocks, PAGE) pool (BLOCK_TABLES: row b's
+    block table; its entries past the row's keys are never read). MASKED: query row i sees the
+    keys <= last[i] only (last broadcasts against (1, BLOCK_N), a scalar or an (M, 1) column);
+    else every row sees every key of [lo, hi), which must then be whole tiles."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for start in tl.range(lo, hi, BLOCK_N):
+        keys = start + offs_n  # (BLOCK_N,)
+        valid = keys < hi  # the ragged end of the range: never read past the row or its table
+        if PAGED:
+            # a table entry per key (one per PAGE keys distinct, the rest from L1): each key
+            # row is D contiguous values anyway, so a gather of rows moves what a tile load does
+            page = tl.load(BLOCK_TABLES + keys // PAGE, mask=valid, other=0).to(tl.int64)
+            slot = keys % PAGE
+        else:
+            page = b
+            slot = keys
+        k_rows = page * stride_kb + slot * stride_kt  # (BLOCK_N,)
+        v_rows = page * stride_vb + slot * stride_vt
+        k = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if _INTERPRET:
+            # Triton 3.6's interpreter multiplies bf16 tiles by their raw bits; fp32 tiles give
+            # the product the tensor cores compute (exact products, fp32 sums)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k.T, input_precision=DOT_PRECISION) * qk_scale  # (M, BLOCK_N)
+        if MASKED:
+            s = tl.where(keys[None, :] <= last, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with no visible key so far keeps m = -inf: subtract 0, so exp2 gives 0, not nan
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was summed under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.autotune(configs=_DECODE_CONFIGS, key=["CHUNK_BUCKET", "D", "BLOCK_H", "PAGED", "PAGE"])
 @triton.jit(do_not_specialize=["max_len"])  # a new bound each step, not a new compile
-def _decode_split_kernel(Q, K, V, LENGTHS, OUT, O_PART, LSE_PART, qk_scale, max_len, chunk,
-                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt,
-                         stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, CHUNK_BUCKET,
-                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+def _decode_split_kernel(Q, K, V, BLOCK_TABLES, LENGTHS, OUT, O_PART, LSE_PART, qk_scale,
+                         max_len, chunk, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt,
+                         stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_tb,
+                         CHUNK_BUCKET, GROUP: tl.constexpr, D: tl.constexpr,
+                         BLOCK_H: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                          DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """Kernel 1, one program per (row b, kv head, split s): keys [s * chunk, (s + 1) * chunk) of
     row b, cut at the row's length, against the GROUP query heads of the kv head.
-    Q (B, Hq, D); K, V (B, Hkv, S, D); any strides, unit last stride. LENGTHS (B,): keys of each
-    row (clamped to max_len, so a wrong one never reads past the cache). qk_scale = sm_scale *
-    log2(e). DIRECT (a single split): write the output itself to OUT (B, Hq, D); else the
-    normalized partial to O_PART (B, Hq, splits, D) and its log-sum-exp, base 2, to
-    LSE_PART (B, Hq, splits), both fp32. CHUNK_BUCKET: an autotune key only. PDL: launched
-    early, see _wait_for_inputs (chapter 19)."""
+    Q (B, Hq, D); K, V (B, Hkv, S, D), or with PAGED (changed for part 2) pools of pages viewed
+    as (num_blocks, Hkv, PAGE, D), row b's keys found through BLOCK_TABLES (B, max_blocks) int32
+    (row stride stride_tb; None unless PAGED); any strides, unit last stride. LENGTHS (B,): keys
+    of each row (clamped to max_len, so a wrong one never reads past the cache or the table).
+    qk_scale = sm_scale * log2(e). DIRECT (a single split): write the output itself to OUT
+    (B, Hq, D); else the normalized partial to O_PART (B, Hq, splits, D) and its log-sum-exp,
+    base 2, to LSE_PART (B, Hq, splits), both fp32. CHUNK_BUCKET: an autotune key only. PDL:
+    launched early, see _wait_for_inputs (chapter 19)."""
     _wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -1524,33 +1577,19 @@ def _decode_split_kernel(Q, K, V, LENGTHS, OUT, O_PART, LSE_PART, qk_scale, max_
     heads = kvh * GROUP + offs_g  # (BLOCK_H,) query heads that read kv head kvh
     is_head = offs_g < GROUP
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=is_head[:, None], other=0.0)  # (BLOCK_H, D), on chip for the whole loop
-    k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
     if _INTERPRET:
-        # Triton 3.6's interpreter multiplies bf16 tiles by their raw bits; fp32 tiles give
-        # the product the tensor cores compute (exact products, fp32 sums)
-        q = q.to(tl.float32)
+        q = q.to(tl.float32)  # see _attend_keys
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_H, D], tl.float32)  # unnormalized output
-    for start in tl.range(lo, hi, BLOCK_N):
-        valid = start + offs_n < hi  # (BLOCK_N,): the ragged end of the chunk or the row
-        k = tl.load(k_ptrs + start * stride_kt, mask=valid[:, None], other=0.0)  # (BLOCK_N, D)
-        v = tl.load(v_ptrs + start * stride_vt, mask=valid[:, None], other=0.0)  # (BLOCK_N, D)
-        if _INTERPRET:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k.T, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_H, BLOCK_N)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key `start` is valid in every step
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    if PAGED:
+        BLOCK_TABLES += b * stride_tb  # row b's block table
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K + kvh * stride_kh, V + kvh * stride_vh,
+                                 BLOCK_TABLES, b, lo, hi, hi - 1, qk_scale, stride_kb, stride_kt,
+                                 stride_vb, stride_vt, D, PAGED, PAGE, True, BLOCK_N,
+                                 DOT_PRECISION)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: output 0, and lse -inf from m_i
     out = acc / l_safe[:, None]  # (BLOCK_H, D)
     if DIRECT:
@@ -1602,8 +1641,14 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len=None, sm_scale=None, 
     h // (Hq // Hkv); sm_scale defaults to 1/sqrt(D). num_splits forces the split count (the
     tests run every path with it); by default decode_splits picks it."""
     max_len = _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_splits)
+    return _split_decode(q, k_cache, v_cache, None, lengths, max_len, sm_scale, num_splits)
+
+
+def _split_decode(q, k, v, block_tables, lengths, max_len, sm_scale, num_splits):
+    """The launches of decode_attention and, with block_tables, paged_decode_attention (k, v then
+    the pools viewed as (num_blocks, Hkv, block_size, D)). Inputs checked; -> (B, Hq, D)."""
     B, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv = k.shape[1]
     splits = num_splits or decode_splits(B, Hkv, max_len, _num_sms(q.device))
     chunk = triton.cdiv(triton.cdiv(max_len, splits), _DECODE_ALIGN) * _DECODE_ALIGN
     if num_splits is None:
@@ -1613,12 +1658,14 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len=None, sm_scale=None, 
     o_part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
     pdl = _pdl(q.device)
+    paged = block_tables is not None
     _decode_split_kernel[(B, Hkv, splits)](
-        q, k_cache, v_cache, lengths, out, o_part, lse_part, scale * LOG2E, max_len, chunk,
-        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
-        _seq_bucket(chunk), GROUP=Hq // Hkv, D=D,
+        q, k, v, block_tables, lengths, out, o_part, lse_part, scale * LOG2E, max_len, chunk,
+        *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *out.stride()[:2],
+        block_tables.stride(0) if paged else 0, _seq_bucket(chunk), GROUP=Hq // Hkv, D=D,
         BLOCK_H=max(16, triton.next_power_of_2(Hq // Hkv)),  # the group, padded for tl.dot
-        DIRECT=splits == 1, DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl)
+        PAGED=paged, PAGE=k.shape[2] if paged else 1, DIRECT=splits == 1,
+        DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl)
     if splits > 1:
         _decode_merge_kernel[(B * Hq,)](o_part, lse_part, out, *out.stride()[:2], Hq, splits,
                                         D=D, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl,
@@ -1641,28 +1688,274 @@ def _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_sp
     if B != Bk or D != Dk or lengths.shape != (B,):
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} "
                          f"and lengths {tuple(lengths.shape)} disagree on B or D")
+    _check_group("decode_attention", Hq, Hkv)
+    _check_kernel_heads("decode_attention", q, k_cache, v_cache, sm_scale)
+    return _check_splits("decode_attention", max_len, S, f"S={S}", num_splits)
+
+
+# Shared by the checks of the decode and the paged kernels.
+def _check_group(fn, Hq, Hkv):
     if Hq % Hkv:
-        raise ValueError(f"decode_attention: query heads ({Hq}) must be a multiple of kv heads "
-                         f"({Hkv})")
+        raise ValueError(f"{fn}: query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+
+
+def _check_kernel_heads(fn, q, k_cache, v_cache, sm_scale):
+    """What the attention kernels' loads and scale need."""
+    D = q.shape[-1]
     if D not in HEAD_DIMS:
-        raise ValueError(f"decode_attention: head size D={D} is not supported; use one of "
-                         f"{HEAD_DIMS}")
+        raise ValueError(f"{fn}: head size D={D} is not supported; use one of {HEAD_DIMS}")
     if any(x.stride(-1) != 1 for x in (q, k_cache, v_cache)):
-        raise ValueError("decode_attention: q, k_cache and v_cache need a unit last stride")
-    max_len = S if max_len is None else max_len
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= S:
-        raise ValueError(f"decode_attention: max_len must be an int in [1, S={S}], got {max_len!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= _MAX_SPLITS):
-        raise ValueError(f"decode_attention: num_splits must be an int in [1, {_MAX_SPLITS}] or "
-                         f"None, got {num_splits!r}")
+        raise ValueError(f"{fn}: q, k_cache and v_cache need a unit last stride")
     if sm_scale is not None and (isinstance(sm_scale, bool)
                                  or not isinstance(sm_scale, numbers.Real)
                                  or not (math.isfinite(sm_scale) and sm_scale > 0)):
-        raise ValueError(f"decode_attention: sm_scale must be a positive number, got {sm_scale!r}")
+        raise ValueError(f"{fn}: sm_scale must be a positive number, got {sm_scale!r}")
+
+
+def _is_count(x, most):
+    """x is an int (not a bool) in [1, most]."""
+    return not isinstance(x, bool) and isinstance(x, int) and 1 <= x <= most
+
+
+def _check_splits(fn, max_len, most, most_name, num_splits):
+    """max_len (default `most`, the keys a row can hold) and num_splits; returns max_len."""
+    max_len = most if max_len is None else max_len
+    if not _is_count(max_len, most):
+        raise ValueError(f"{fn}: max_len must be an int in [1, {most_name}], got {max_len!r}")
+    if num_splits is not None and not _is_count(num_splits, _MAX_SPLITS):
+        raise ValueError(f"{fn}: num_splits must be an int in [1, {_MAX_SPLITS}] or None, got "
+                         f"{num_splits!r}")
     return max_len
 
 
+# ------------------------------------------------------------------------------------------------
+# 17.4 continued: paged attention (part 2)
+# ------------------------------------------------------------------------------------------------
+# NEW in stage 07, part 2. KVCache above gives every row max_len slots up front: a row that ends
+# early, or never gets long, holds memory no other row can use, and rows of a batch cannot share
+# a prompt's keys. A paged cache (vLLM's PagedAttention, Kwon et al. 2023) cuts the cache into
+# pages of block_size slots, a pool per layer, k_cache and v_cache (num_blocks, block_size, Hkv,
+# D), handed out a page at a time as a sequence grows; a sequence's block table lists its pages
+# in order, so key j of row b lives at slot j % block_size of page block_tables[b, j //
+# block_size]. What the kernels pay for it: one 4-byte table entry per key, beside the 2 * D
+# bytes (bf16) that key row weighs per kv head, and loads gathered row by row instead of tiles
+# of consecutive rows; but each key row is D contiguous values, 256 bytes at D=128, so the
+# gather still moves whole 128-byte lines, and at copy speed the roofline is unchanged.
+# - Decode: the flash-decoding kernel above, with PAGED on: the same grid, splits and merge, its
+#   key loop (_attend_keys) looking each tile's keys up in the row's block table.
+# - Prefill and extend: the new tokens of several sequences packed in one (N, Hq, D) tensor
+#   (cu_seqlens_q marks where each starts), their keys already written to the pool, each query
+#   seeing its sequence's keys up to its own position (causal, bottom-right: a chunk of 64 new
+#   tokens over a 1,000-key sequence sees the 936 before it too). Stage 06's kernel shape, one
+#   program per tile of queries, with the GQA trick of the decode kernel: a tile holds
+#   BLOCK_M // BLOCK_H tokens times the G query heads of one kv head (BLOCK_H = G rounded up to a
+#   power of two), so each K/V tile is loaded once for the G heads. Its keys fall in two loops:
+#   keys every row of the tile sees, unmasked, then the diagonal, masked.
+# Ragged lengths stay on the device in both (no host sync): the grids are sized from host
+# bounds, max_len and max_q_len, and a program past its row's end exits or writes an empty
+# partial. paged_attention_torch is the plain version, for the CPU engine and the tests.
+
+# Tiles of the prefill kernel: BLOCK_M query rows (tokens x heads of a group), BLOCK_N keys a
+# step, 2 stages (the loads are gathers, not TMA copies). Each candidate was compiled for sm_90a
+# (ptxas, no GPU) and kept if it spills no registers: the gathered tiles' addresses take many,
+# so the tiles are smaller than stage 06's (at D=128, 64 x 64 with 8 warps spills 504 bytes).
+# Their speeds are not measured on the H200 yet.
+_PAGED_PREFILL_CONFIGS = (
+    [_config(m, n, w, 2, (32, 64)) for m, n, w in ((16, 32, 4), (32, 32, 4), (64, 32, 8),
+                                                   (64, 64, 8), (128, 32, 8))]
+    + [_config(m, n, w, 2, (128,)) for m, n, w in ((16, 32, 4), (32, 16, 4), (32, 32, 8),
+                                                   (64, 16, 4), (128, 16, 8))]
+    + [_config(m, n, 4, 2, (256,)) for m, n in ((16, 16), (16, 32), (32, 16))]
+)
+if INTERPRET:
+    _PAGED_PREFILL_CONFIGS = [_config(16, 16, 4, 1, HEAD_DIMS)]
+
+
+def _prune_paged_prefill_configs(configs, named_args, **kwargs):
+    """The configurations made for this head size that hold at least one token (BLOCK_M >=
+    BLOCK_H); a group wider than every tile gets tiles of one token. float32 inputs, there for
+    checking, get one configuration untuned (as _prune_configs)."""
+    kept = [c for c in configs
+            if kwargs["D"] in c.head_dims and c.kwargs["BLOCK_M"] >= kwargs["BLOCK_H"]]
+    if not kept:
+        kept = [_config(kwargs["BLOCK_H"], 16, 8, 1, HEAD_DIMS)]
+    if named_args and named_args["Q"].dtype == torch.float32:
+        kept = kept[:1]
+    return kept
+
+
+@triton.autotune(configs=_PAGED_PREFILL_CONFIGS, key=["Q_BUCKET", "D", "BLOCK_H", "PAGE"],
+                 prune_configs_by={"early_config_prune": _prune_paged_prefill_configs})
+@triton.jit(do_not_specialize=["N", "max_keys"])
+def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_scale, N,
+                          max_keys, stride_qn, stride_qh, stride_kb, stride_kh, stride_kt,
+                          stride_vb, stride_vh, stride_vt, stride_on, stride_oh, stride_tb,
+                          Q_BUCKET, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                          PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (tile of new tokens, sequence b, kv head): BLOCK_M // BLOCK_H tokens of
+    sequence b, each with the GROUP query heads of the kv head (row r of the tile: token
+    r // BLOCK_H, head r % BLOCK_H; heads past GROUP are padding).
+    Q, OUT (N, Hq, D): the sequences' new tokens, sequence b's at rows CU_SEQLENS_Q[b] ..
+    CU_SEQLENS_Q[b + 1] - 1 (clamped to N). K, V: pools viewed as (num_blocks, Hkv, PAGE, D),
+    found through BLOCK_TABLES (B, max_blocks) int32, row stride stride_tb. LENGTHS (B,): keys
+    of each sequence, its new ones included (clamped to max_keys = max_blocks * PAGE, so a wrong
+    one never reads past the table): new token t of q_len sits at position
+    LENGTHS[b] - q_len + t and sees keys 0 through that position. Any strides, unit last
+    stride. qk_scale = sm_scale * log2(e). Q_BUCKET: an autotune key only."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_H  # tokens a tile
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # later tokens see more keys: start first
+    b = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
+    q_len = tl.minimum(tl.load(CU_SEQLENS_Q + b + 1).to(tl.int64), N) - q_start
+    if tile * BLOCK_Q >= q_len:  # the grid is sized for the longest sequence
+        return
+    length = tl.minimum(tl.load(LENGTHS + b), max_keys)
+    first = length - q_len + tile * BLOCK_Q  # the tile's first token's position
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    t = tile * BLOCK_Q + offs_m // BLOCK_H  # (BLOCK_M,) each row's token, 0..q_len-1
+    heads = kvh * GROUP + offs_m % BLOCK_H  # (BLOCK_M,) each row's query head
+    is_row = (t < q_len) & (offs_m % BLOCK_H < GROUP)
+    q_ptrs = (q_start + t)[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(Q + q_ptrs, mask=is_row[:, None], other=0.0)  # (BLOCK_M, D)
+    if _INTERPRET:
+        q = q.to(tl.float32)  # see _attend_keys
+    last = first + offs_m // BLOCK_H  # (BLOCK_M,) each row's position: it sees keys 0..last
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # keys [0, full) are visible to every row (whole tiles); [full, hi) hold the diagonal; no
+    # row sees a key from hi on
+    full = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(first + BLOCK_Q, length)
+    K += kvh * stride_kh
+    V += kvh * stride_vh
+    BLOCK_TABLES += b * stride_tb
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, 0, full, last[:, None],
+                                 qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, D, True,
+                                 PAGE, False, BLOCK_N, DOT_PRECISION)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, full, hi,
+                                 last[:, None], qk_scale, stride_kb, stride_kt, stride_vb,
+                                 stride_vt, D, True, PAGE, True, BLOCK_N, DOT_PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that saw no key: 0
+    o_ptrs = (q_start + t)[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(OUT + o_ptrs, out.to(OUT.dtype.element_ty), mask=is_row[:, None])
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, max_len=None,
+                           sm_scale=None, num_splits=None):
+    """decode_attention over a paged cache: q (B, Hq, D); k_cache, v_cache (num_blocks,
+    block_size, Hkv, D) pools, block_size a power of two; block_tables (B, max_blocks) int32:
+    key j of row b at k_cache[block_tables[b, j // block_size], j % block_size]; entries past a
+    row's last page are never read; lengths (B,) int32 or int64: row b attends to its keys
+    0..lengths[b]-1 -> (B, Hq, D). All on one device; any strides, unit last stride. max_len: a
+    bound on lengths known on the host (default max_blocks * block_size); lengths stay on the
+    device, clamped to max_len. sm_scale and num_splits as decode_attention's."""
+    fn = "paged_decode_attention"
+    _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale)
+    (B, max_blocks), page = block_tables.shape, k_cache.shape[1]
+    if q.shape[0] != B:
+        raise ValueError(f"{fn}: q has {q.shape[0]} rows but block_tables {B}")
+    max_len = _check_splits(fn, max_len, max_blocks * page,
+                            f"max_blocks * block_size={max_blocks * page}", num_splits)
+    return _split_decode(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), block_tables,
+                         lengths, max_len, sm_scale, num_splits)  # pools as (blocks, Hkv, page, D)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lengths, max_q_len,
+                            sm_scale=None):
+    """Causal attention of the new tokens of B sequences over a paged cache that already holds
+    their keys and values: q (N, Hq, D), sequence b's q_len_b tokens at rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1 (cu_seqlens_q (B + 1,) int32, from 0); lengths (B,) int32 or int64,
+    keys of each sequence with its new ones, so new token t sits at position lengths[b] - q_len_b
+    + t and attends to keys 0 through it (bottom-right aligned; q_len_b = 1 is a decode).
+    k_cache, v_cache, block_tables as paged_decode_attention's; max_q_len: a host bound on the
+    q_len_b (the grid). sm_scale defaults to 1/sqrt(D). -> (N, Hq, D) in q's dtype; rows no
+    sequence claims are left unwritten."""
+    fn = "paged_prefill_attention"
+    _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale)
+    B, N = block_tables.shape[0], q.shape[0]
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), device=q.device)
+    if cu_seqlens_q.shape != (B + 1,):
+        raise ValueError(f"{fn}: cu_seqlens_q must be (B + 1,) = ({B + 1},) for B={B} block "
+                         f"table rows, got {tuple(cu_seqlens_q.shape)}")
+    if not _is_count(max_q_len, N):
+        raise ValueError(f"{fn}: max_q_len must be an int in [1, N={N}], got {max_q_len!r}")
+    Hq, D = q.shape[1:]
+    page, Hkv = k_cache.shape[1:3]
+    block_h = triton.next_power_of_2(Hq // Hkv)
+    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _paged_prefill_kernel[lambda meta: (triton.cdiv(max_q_len, meta["BLOCK_M"] // block_h), B,
+                                        Hkv)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, lengths, out, scale * LOG2E, N,
+        block_tables.shape[1] * page, *q.stride()[:2], k_cache.stride(0), k_cache.stride(2),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(2), v_cache.stride(1),
+        *out.stride()[:2], block_tables.stride(0), _seq_bucket(max_q_len), GROUP=Hq // Hkv, D=D,
+        BLOCK_H=block_h, PAGE=page, DOT_PRECISION=_dot_precision(q.dtype))
+    return out
+
+
+def _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale):
+    """The checks the two paged kernels share: tensors, shapes, heads, scale."""
+    _check_tensor("q", q, contiguous=False)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, x, dtypes=(q.dtype,), device=q.device, contiguous=False)
+    _check_tensor("block_tables", block_tables, dtypes=(torch.int32,), device=q.device,
+                  contiguous=False)
+    _check_tensor("lengths", lengths, dtypes=(torch.int32, torch.int64), device=q.device)
+    _check_paged_shapes(fn, q, k_cache, v_cache, block_tables, lengths)
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"{fn}: block_tables needs a unit last stride")
+    _check_kernel_heads(fn, q, k_cache, v_cache, sm_scale)
+
+
+def _check_paged_shapes(fn, q, k_cache, v_cache, block_tables, lengths):
+    """Shapes that agree, for the kernels and the torch version alike."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{fn}: q must be (rows, Hq, D) and k_cache, v_cache one (num_blocks, "
+                         f"block_size, Hkv, D) shape, got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if block_tables.dim() != 2 or lengths.shape != block_tables.shape[:1]:
+        raise ValueError(f"{fn}: block_tables must be (B, max_blocks) and lengths (B,), got "
+                         f"{tuple(block_tables.shape)} and {tuple(lengths.shape)}")
+    (_, Hq, D), (_, page, Hkv, Dk) = q.shape, k_cache.shape
+    if D != Dk:
+        raise ValueError(f"{fn}: head sizes differ: q has D={D}, the caches D={Dk}")
+    _check_group(fn, Hq, Hkv)
+    if page & (page - 1):
+        raise ValueError(f"{fn}: block_size must be a power of two, got {page}")
+
+
+def paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, lengths):
+    """paged_prefill_attention in plain torch, one sequence at a time, in fp32 (decodes too:
+    cu_seqlens_q = arange(B + 1)). Reads cu_seqlens_q and lengths on the host: for the CPU
+    engine and the tests, not for a CUDA graph. -> (N, Hq, D) in q's dtype."""
+    fn = "paged_attention_torch"
+    _check_paged_shapes(fn, q, k_cache, v_cache, block_tables, lengths)
+    page = k_cache.shape[1]
+    starts, lengths = cu_seqlens_q.tolist(), lengths.tolist()
+    if len(starts) != len(lengths) + 1:
+        raise ValueError(f"{fn}: cu_seqlens_q must hold B + 1 = {len(lengths) + 1} offsets, got "
+                         f"{len(starts)}")
+    out = torch.zeros_like(q)
+    for b, length in enumerate(lengths):
+        q_b = q[starts[b]:starts[b + 1]]  # (T, Hq, D): this sequence's new tokens
+        T = q_b.shape[0]
+        if not T <= length <= block_tables.shape[1] * page:
+            raise ValueError(f"{fn}: sequence {b} has {T} new tokens and {length} keys (at most "
+                             f"{block_tables.shape[1] * page}): need q_len <= length <= that")
+        if T == 0:
+            continue
+        pages = block_tables[b, :triton.cdiv(length, page)].long()  # its pages only
+        k, v = (x[pages].flatten(0, 1)[:length].transpose(0, 1)[None].float()  # (1, Hkv, S, D)
+                for x in (k_cache, v_cache))
+        positions = torch.arange(length - T, length, device=q.device)[None]  # (1, T)
+        o = attention_torch(q_b.transpose(0, 1)[None].float(), k, v, positions)  # (1, Hq, T, D)
+        out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1).to(q.dtype)
+    return out
 # The bench (on a GPU): the kernel's GB/s against the copy bandwidth measured in the same run,
 # and its time against torch's scaled_dot_product_attention on the same cache.
 
@@ -1716,6 +2009,71 @@ def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_d
         print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = "
               f"{gbs / copy_gbs:4.0%} of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
     return fractions
+
+
+def _paged_copy(k, v, lengths, block_size, gen):
+    """Contiguous caches k, v (B, Hkv, S, D) copied into pools (num_blocks, block_size, Hkv, D)
+    of just the pages the rows' lengths need, handed out in a random order: -> k_cache,
+    v_cache, block_tables (B, cdiv(S, block_size)) int32 (entries past a row's pages 0)."""
+    B, Hkv, S, D = k.shape
+    max_blocks = triton.cdiv(S, block_size)
+    pages_of = (lengths.long() + block_size - 1) // block_size  # (B,)
+    used = torch.arange(max_blocks, device=k.device)[None] < pages_of[:, None]  # (B, max_blocks)
+    n = int(used.sum())
+    tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=k.device)
+    tables[used] = torch.randperm(n, device=k.device, generator=gen).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pages = F.pad(x, (0, 0, 0, max_blocks * block_size - S))  # (B, Hkv, max_blocks * bs, D)
+        pages = pages.view(B, Hkv, max_blocks, block_size, D).permute(0, 2, 3, 1, 4)
+        pool = x.new_empty(n, block_size, Hkv, D)
+        pool[tables[used].long()] = pages[used]  # pages[used]: (n, block_size, Hkv, D)
+        pools.append(pool)
+    return pools[0], pools[1], tables
+
+
+def bench_paged_decode(device, batch=256, heads=(16, 8), head_dim=128, block_size=16):
+    """Paged decode attention, bf16, pages of block_size keys in a random order in the pool:
+    (a) `batch` rows of mixed lengths, uniform in 100..2,048, GQA `heads`; (b) 64 rows of 4,096
+    keys, GQA 32/8 and 16/8. Each: GB/s of the cache read (each row's keys and values) against
+    the copy bandwidth, and speed against decode_attention on the same cache laid out
+    contiguously (target: 0.9x its speed or better), after checking the two agree. Returns
+    {case: {"rel_err", "paged_of_copy", "contiguous_of_copy", "speed"}}, or None without a
+    GPU."""
+    if device.type != "cuda":
+        print("paged decode bench: needs a CUDA GPU (the interpreter shows correctness, not "
+              "speed); skipped")
+        return None
+    D = head_dim
+    gen = torch.Generator(device).manual_seed(0)
+    copy_gbs = _bench_copy_gbs()
+    mixed = torch.randint(100, 2049, (batch,), device=device, generator=gen, dtype=torch.int32)
+    cases = {f"mixed 100..2,048, batch {batch}, GQA {heads[0]}/{heads[1]}": (mixed, heads)}
+    for Hq, Hkv in ((32, 8), (16, 8)):
+        full = torch.full((64,), 4096, device=device, dtype=torch.int32)
+        cases[f"4,096 keys, batch 64, GQA {Hq}/{Hkv}"] = (full, (Hq, Hkv))
+    print(f"paged decode attention, bf16, D={D}, pages of {block_size} keys in a random order "
+          f"(target: 80% of copy, 0.9x decode_attention's speed)")
+    results = {}
+    for label, (lengths, (Hq, Hkv)) in cases.items():
+        B, S = lengths.shape[0], int(lengths.max())
+        q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+                   for shape in ((B, Hq, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+        k_cache, v_cache, tables = _paged_copy(k, v, lengths, block_size, gen)
+        paged = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lengths, S)
+        contiguous = functools.partial(decode_attention, q, k, v, lengths, S)
+        expected = contiguous().float()
+        err = ((paged().float() - expected).norm() / expected.norm()).item()
+        read = int(lengths.sum()) * Hkv * D * k.element_size() * 2  # bytes of K and V read
+        paged_ms, contiguous_ms = _ms(paged), _ms(contiguous)
+        of_copy = [read / ms / 1e6 / copy_gbs for ms in (paged_ms, contiguous_ms)]
+        results[label] = dict(rel_err=err, paged_of_copy=of_copy[0], contiguous_of_copy=of_copy[1],
+                              speed=contiguous_ms / paged_ms)
+        print(f"  {label} ({read / 2**20:,.0f} MiB read; against decode_attention: rel err "
+              f"{err:.1e}): {paged_ms * 1e3:8.1f} µs = {of_copy[0]:4.0%} of copy; contiguous "
+              f"{contiguous_ms * 1e3:8.1f} µs = {of_copy[1]:4.0%}; "
+              f"{contiguous_ms / paged_ms:4.2f}x its speed")
+    return results
 
 
 class Attention(nn.Module):
@@ -1992,23 +2350,21 @@ def add_rms_norm(x, residual, weight, eps):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(QKV, POS, INV_FREQ, QW, KW, Q, K, V, eps, stride_kb, stride_kh,
-                         stride_kt, Hq: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr,
-                         PDL: tl.constexpr):
-    # One program per (row b, head): heads 0..Hq-1 of a QKV row (Hq + 2 Hkv heads of D values)
-    # are query heads, written to Q (B, Hq, D); the next Hkv key heads and the last Hkv value
-    # heads go into the layer's cache K, V (rows, Hkv, length, D) at position POS[b]. Queries and
-    # keys are normalized with their weight and rotated (RoPE, rotate-half: value i pairs with
-    # value i + D/2); values are copied as they are.
+def _qk_norm_rope_kernel(QKV, POS, SLOTS, INV_FREQ, QW, KW, Q, K, V, eps, stride_ks, stride_kh,
+                         Hq: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    # One program per (token n, head): heads 0..Hq-1 of a QKV row (Hq + 2 Hkv heads of D values)
+    # are query heads, written to Q (N, Hq, D); the next Hkv key heads and the last Hkv value
+    # heads go into the layer's paged cache K, V (slots, Hkv, D) at the token's slot SLOTS[n].
+    # Queries and keys are normalized with their weight and rotated (RoPE, rotate-half: value i
+    # pairs with value i + D/2) at position POS[n]; values are copied as they are.
     _wait_for_inputs(PDL)
-    b = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, HALF)
-    src = QKV + b * (Hq + 2 * Hkv) * D + head * D
+    src = QKV + n * (Hq + 2 * Hkv) * D + head * D
     x1 = tl.load(src + offs).to(tl.float32)  # values 0..D/2-1 of the head
     x2 = tl.load(src + HALF + offs).to(tl.float32)  # values D/2..D-1
-    pos = tl.load(POS + b)
     if head < Hq + Hkv:
         if head < Hq:
             w_ptr = QW
@@ -2017,40 +2373,57 @@ def _qk_norm_rope_kernel(QKV, POS, INV_FREQ, QW, KW, Q, K, V, eps, stride_kb, st
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
         x1 = x1 * rstd * tl.load(w_ptr + offs).to(tl.float32)
         x2 = x2 * rstd * tl.load(w_ptr + HALF + offs).to(tl.float32)
-        angle = pos.to(tl.float32) * tl.load(INV_FREQ + offs)  # fp32, as rope_cos_sin
+        angle = tl.load(POS + n).to(tl.float32) * tl.load(INV_FREQ + offs)  # fp32, as rope_cos_sin
         cos, sin = tl.cos(angle), tl.sin(angle)
         x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     if head < Hq:
-        dst = Q + (b * Hq + head) * D
+        dst = Q + (n * Hq + head) * D
     elif head < Hq + Hkv:
-        dst = K + b * stride_kb + (head - Hq) * stride_kh + pos * stride_kt
+        dst = K + tl.load(SLOTS + n) * stride_ks + (head - Hq) * stride_kh
     else:
-        dst = V + b * stride_kb + (head - Hq - Hkv) * stride_kh + pos * stride_kt
+        dst = V + tl.load(SLOTS + n) * stride_ks + (head - Hq - Hkv) * stride_kh
     tl.store(dst + offs, x1.to(dst.dtype.element_ty))
     tl.store(dst + HALF + offs, x2.to(dst.dtype.element_ty))
 
 
-def qk_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, k_cache, v_cache):
-    """One token a row: qkv (B, (Hq + 2 Hkv) * D) from the fused projection, positions (B,) on the
-    device. Normalizes and rotates the queries (returned, (B, Hq, D)) and keys, and writes keys
-    and values into k_cache, v_cache (rows >= B, Hkv, length, D; one layer of KVCache) at each
-    row's position."""
-    B, Hkv, D = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
-    Hq = qkv.shape[1] // D - 2 * Hkv
+def qk_norm_rope(qkv, positions, slots, inv_freq, q_weight, k_weight, eps, k_cache, v_cache):
+    """qkv (N, (Hq + 2 Hkv) * D) from the fused projection; positions and slots (N,) on the
+    device. Normalizes and rotates the queries (returned, (N, Hq, D)) and keys, and writes keys
+    and values into k_cache, v_cache (num_blocks, block_size, Hkv, D), one layer of the paged
+    cache, at each token's slot: block * block_size + offset in the block."""
     _check_tensor("qkv", qkv)
-    _check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), device=qkv.device)
-    if qkv.dim() != 2 or Hq < 1 or qkv.shape[1] != (Hq + 2 * Hkv) * D or positions.shape != (B,):
-        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} and positions "
-                         f"{tuple(positions.shape)} do not fit a cache of {Hkv} heads of {D}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.shape[0] < B:
-        raise ValueError("qk_norm_rope: k_cache and v_cache must be strided alike, with rows for "
-                         "the batch")
-    q = torch.empty(B, Hq, D, dtype=qkv.dtype, device=qkv.device)
+    for name, t in (("positions", positions), ("slots", slots)):
+        _check_tensor(name, t, dtypes=(torch.int32, torch.int64), device=qkv.device)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, dtypes=(qkv.dtype,), device=qkv.device)
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"qk_norm_rope: k_cache and v_cache must be one (blocks, block_size, "
+                         f"Hkv, D) shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    N, (Hkv, D) = qkv.shape[0], k_cache.shape[2:]
+    Hq = qkv.shape[1] // D - 2 * Hkv if qkv.dim() == 2 else 0
+    if Hq < 1 or qkv.shape[1] != (Hq + 2 * Hkv) * D or positions.shape != (N,) or slots.shape != (N,):
+        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)}, positions "
+                         f"{tuple(positions.shape)} and slots {tuple(slots.shape)} do not fit a "
+                         f"cache of {Hkv} heads of {D}")
+    q = torch.empty(N, Hq, D, dtype=qkv.dtype, device=qkv.device)
+    k_slots, v_slots = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # (slots, Hkv, D)
     pdl = _pdl(qkv.device)
-    _qk_norm_rope_kernel[(B, Hq + 2 * Hkv)](qkv, positions, inv_freq, q_weight, k_weight, q,
-                                            k_cache, v_cache, eps, *k_cache.stride()[:3],
+    _qk_norm_rope_kernel[(N, Hq + 2 * Hkv)](qkv, positions, slots, inv_freq, q_weight, k_weight,
+                                            q, k_slots, v_slots, eps, *k_slots.stride()[:2],
                                             Hq=Hq, Hkv=Hkv, D=D, PDL=pdl, launch_pdl=pdl,
                                             num_warps=1)
+    return q
+
+
+def qk_norm_rope_torch(qkv, positions, slots, attn, inv_freq, k_cache, v_cache):
+    """The torch twin of qk_norm_rope, through the layer's own modules (attn: its Attention)."""
+    N, (Hkv, D) = qkv.shape[0], k_cache.shape[2:]
+    q, k, v = qkv.view(N, -1, D).split([qkv.shape[1] // D - 2 * Hkv, Hkv, Hkv], dim=1)
+    cos, sin = rope_cos_sin(inv_freq, positions[None], qkv.dtype)  # (1, N, D)
+    q, k = (apply_rope(norm(x).transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)  # (N, H, D)
+            for norm, x in ((attn.q_norm, q), (attn.k_norm, k)))
+    k_cache.view(-1, Hkv, D)[slots] = k
+    v_cache.view(-1, Hkv, D)[slots] = v
     return q
 
 
@@ -2215,45 +2588,93 @@ def _on_matvec(x, weight):
     return x.shape[0] == 1 and weight.shape[1] <= 3072
 
 
-def norm_linear(x, residual, norm_weight, eps, weight):
-    """RMSNorm(x + residual) * norm_weight @ weight^T and x + residual, the new residual stream
-    (residual None: x itself): one matvec launch where _on_matvec says so (a single row, up to
-    3,072 columns), else add_rms_norm (which adds in place) and cuBLAS."""
+def norm_linear(x, residual, norm, weight):
+    """norm(x + residual) @ weight^T and x + residual, the new residual stream (residual None:
+    x itself); norm: an RMSNorm. On the kernels: one matvec launch where _on_matvec says so (a
+    single row, up to 3,072 columns), else add_rms_norm (which adds in place) and cuBLAS."""
+    if not norm.kernels:  # the torch twin
+        x = x if residual is None else x + residual
+        return F.linear(norm(x), weight), x
     if _on_matvec(x, weight):
-        return matvec(x, weight, residual=residual, norm_weight=norm_weight, eps=eps)
-    return F.linear(add_rms_norm(x, residual, norm_weight, eps), weight), x
+        return matvec(x, weight, residual=residual, norm_weight=norm.weight, eps=norm.eps)
+    return F.linear(add_rms_norm(x, residual, norm.weight, norm.eps), weight), x
 
 
-def linear(x, weight, swiglu=False):
-    """x @ weight^T (swiglu: silu(gate) * up of x = gate | up): matvec where _on_matvec says so,
-    else cuBLAS (after swiglu_halves)."""
+def linear(x, weight, kernels, swiglu=False):
+    """x @ weight^T (swiglu: silu(gate) * up of x = gate | up). On the kernels: matvec where
+    _on_matvec says so, else cuBLAS (after swiglu_halves)."""
+    if not kernels:
+        if swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        return F.linear(x, weight)
     if _on_matvec(x, weight):
         return matvec(x, weight, swiglu=swiglu)
     return F.linear(swiglu_halves(x) if swiglu else x, weight)
 
 
-def fast_decode(model, ids, positions, cache):
-    """Logits (B, V) of one token a row, on the fused kernels: ids, positions (B,) on the device,
-    the keys and values of earlier positions in cache rows 0..B-1, this token's written at its
-    position. Attention spans the whole cache (max_len = cache.length), each row up to its own
-    position, so the step's launches do not depend on the positions: a graph can hold them.
-    Needs fuse_projections(model) first."""
-    B, eps = ids.shape[0], model.cfg.rms_norm_eps
-    x = model.model.embed_tokens(ids)  # (B, C): the residual stream
+@dataclass
+class AttentionMetadata:
+    """Where a step's packed tokens sit, for the cache writes and attention (all on the device
+    but the two bounds). Sequence b's q_len_b new tokens are rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1, its last positions lengths[b] - q_len_b .. lengths[b] - 1; its keys
+    are read through row b of block_tables."""
+    slots: torch.Tensor  # (N,) int64: each token's slot in the paged cache, block * size + offset
+    cu_seqlens_q: torch.Tensor  # (B + 1,) int32
+    lengths: torch.Tensor  # (B,) int32: each sequence's keys, this step's included
+    block_tables: torch.Tensor  # (B, W) int32
+    max_q_len: int  # bounds on the host: the longest q_len, 1 for a decode step,
+    max_len: int  # and the longest length
+    sample_rows: torch.Tensor  # (S,) int64: the rows whose logits the step needs
+
+
+# Attention backends (chapter 32): one small interface, attention(q, k_cache, v_cache, meta) ->
+# (N, Hq, D) for the packed queries q (N, Hq, D) over one layer's paged cache, whose keys and
+# values for this step's tokens are already written. The Triton one runs decode steps on the
+# paged decode kernel (split over the keys) and every other step on the paged prefill kernel;
+# the torch one gathers each sequence's blocks and runs plain attention: the reference, and
+# the CPU's engine.
+
+def triton_attention(q, k_cache, v_cache, meta):
+    if meta.max_q_len == 1:
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.lengths,
+                                      meta.max_len)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                   meta.lengths, meta.max_q_len)
+
+
+def torch_attention(q, k_cache, v_cache, meta):
+    return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                 meta.lengths)
+
+
+def forward_packed(model, ids, positions, kv, meta, attention):
+    """Logits (S, V) of the rows meta.sample_rows of a step's packed tokens: ids, positions (N,)
+    on the device, the tokens of several sequences side by side (whole prompts, chunks of them,
+    or one token a sequence when decoding), each attending to its own sequence's cache. kv:
+    (k, v) of the paged cache, (L, blocks, block_size, Hkv, D) each; every token's key and value
+    are written at its slot first. On the fused kernels when model.kernels (then
+    fuse_projections(model) first), else on the torch twins; attention: a backend above."""
+    N, kernels = ids.shape[0], model.kernels
+    x = model.model.embed_tokens(ids)  # (N, C): the residual stream
     h = None  # what the last sub-block adds to x
-    lengths = positions + 1  # (B,): keys each row attends to, this token's included
     for layer, block in enumerate(model.model.layers):
         attn, mlp = block.self_attn, block.mlp
-        k_cache, v_cache = cache.k[layer, :B], cache.v[layer, :B]  # (B, Hkv, length, D)
-        qkv, x = norm_linear(x, h, block.input_layernorm.weight, eps, attn.qkv_weight)
-        q = qk_norm_rope(qkv, positions, model.inv_freq, attn.q_norm.weight, attn.k_norm.weight,
-                         eps, k_cache, v_cache)
-        out = decode_attention(q, k_cache, v_cache, lengths, cache.length)  # (B, Hq, D)
-        h = linear(out.view(B, -1), attn.o_proj.weight)  # (B, C)
-        gate_up, x = norm_linear(x, h, block.post_attention_layernorm.weight, eps,
-                                 mlp.gate_up_weight)
-        h = linear(gate_up, mlp.down_proj.weight, swiglu=True)
-    return norm_linear(x, h, model.model.norm.weight, eps, model.output_weight())[0]
+        k_cache, v_cache = kv[0][layer], kv[1][layer]  # (blocks, block_size, Hkv, D)
+        qkv, x = norm_linear(x, h, block.input_layernorm, attn.qkv_weight)
+        if kernels:
+            q = qk_norm_rope(qkv, positions, meta.slots, model.inv_freq, attn.q_norm.weight,
+                             attn.k_norm.weight, attn.q_norm.eps, k_cache, v_cache)
+        else:
+            q = qk_norm_rope_torch(qkv, positions, meta.slots, attn, model.inv_freq, k_cache,
+                                   v_cache)
+        out = attention(q, k_cache, v_cache, meta)  # (N, Hq, D)
+        h = linear(out.view(N, -1), attn.o_proj.weight, kernels)  # (N, C)
+        gate_up, x = norm_linear(x, h, block.post_attention_layernorm, mlp.gate_up_weight)
+        h = linear(gate_up, mlp.down_proj.weight, kernels, swiglu=True)
+    if meta.sample_rows.shape[0] != N:  # only the rows that sample need the output layer
+        x, h = x[meta.sample_rows], h[meta.sample_rows]
+    return norm_linear(x, h, model.model.norm, model.output_weight())[0]
 
 
 def graph_bucket(batch):
@@ -2263,48 +2684,56 @@ def graph_bucket(batch):
 
 
 class DecodeGraphs:
-    """fast_decode captured in a CUDA graph per batch-size bucket, over one KVCache (whose rows
-    must cover the bucket). Each graph has its own input buffers (ids, positions) and output
-    (logits); a batch smaller than its bucket fills the rest with the rows of an earlier step,
-    which rewrite cache rows past the batch, unused."""
+    """forward_packed of a decode step (one token a sequence) captured in a CUDA graph per
+    batch-size bucket, over one paged cache. Each graph reads its own input buffers (ids,
+    positions, slots, lengths, block tables) and writes its own logits; the caller fills a
+    bucket's rows past the batch with padding (length 0, the scratch slot), so that they read
+    nothing and write where no sequence reads. Attention is bounded by max_len, the longest
+    sequence the engine allows: a graph's launches never depend on the batch's lengths. The
+    graphs share one memory pool: they never run at the same time."""
 
-    def __init__(self, model, cache):
-        self.model, self.cache = fuse_projections(model), cache
-        self.graphs = {}  # bucket -> (graph, ids, positions, logits)
+    def __init__(self, model, kv, max_len, attention):
+        self.model, self.kv, self.max_len, self.attention = model, kv, max_len, attention
+        self.graphs = {}  # bucket -> (graph, inputs, logits)
+        self.pool = torch.cuda.graph_pool_handle()
 
-    @torch.inference_mode()  # the graphs' buffers are inference tensors (ModelRunner.run's mode)
-    def __call__(self, ids, positions):
-        """Logits (B, V) of fast_decode(model, ids, positions, cache), from the bucket's graph."""
-        B = ids.shape[0]
-        bucket = graph_bucket(B)
+    @torch.inference_mode()  # the graphs' buffers are inference tensors (ModelRunner's mode)
+    def __call__(self, ids, positions, meta):
+        """Logits (bucket, V) of the step; every input has the bucket's rows."""
+        bucket = ids.shape[0]
         if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket, ids, positions)
-        graph, ids_in, positions_in, logits = self.graphs[bucket]
-        ids_in[:B].copy_(ids)
-        positions_in[:B].copy_(positions)
+            self.graphs[bucket] = self._capture(ids, positions, meta)
+        graph, inputs, logits = self.graphs[bucket]
+        width = meta.block_tables.shape[1]
+        for buffer, x in zip(inputs, (ids, positions, meta.slots, meta.lengths)):
+            buffer.copy_(x)
+        inputs[-1][:, :width].copy_(meta.block_tables)  # columns past width: never read
         graph.replay()
-        return logits[:B]
+        return logits
 
-    def _capture(self, bucket, ids, positions):
-        """Capture the bucket's graph. The warm-up run before it (which compiles and autotunes the
-        kernels, work a capture may not do) takes this step's own ids and positions, so the keys
-        and values it writes are the ones the replay writes again."""
-        if self.cache.rows < bucket:
-            raise ValueError(f"a CUDA graph for {bucket} rows needs a cache of as many rows, not "
-                             f"{self.cache.rows}")
-        ids_in = torch.zeros(bucket, dtype=torch.int64, device=ids.device)
-        positions_in = torch.zeros(bucket, dtype=torch.int64, device=ids.device)
-        ids_in[:ids.shape[0]].copy_(ids)
-        positions_in[:ids.shape[0]].copy_(positions)
-        side = torch.cuda.Stream(ids.device)  # warm-up off the main stream, as capture requires
-        side.wait_stream(torch.cuda.current_stream(ids.device))
+    def _capture(self, ids, positions, meta):
+        """Capture a bucket's graph. The warm-up run before it (which compiles and autotunes the
+        kernels, work a capture may not do) takes this step's own inputs, so the keys and values
+        it writes are the ones the replay writes again."""
+        bucket, device = ids.shape[0], ids.device
+        width = triton.cdiv(self.max_len, self.kv[0].shape[2])  # blocks of the longest sequence
+        tables = torch.zeros(bucket, width, dtype=torch.int32, device=device)
+        tables[:, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        inputs = (ids.clone(), positions.clone(), meta.slots.clone(), meta.lengths.clone(), tables)
+        graph_meta = AttentionMetadata(
+            slots=inputs[2], cu_seqlens_q=meta.cu_seqlens_q, lengths=inputs[3], block_tables=tables,
+            max_q_len=1, max_len=self.max_len, sample_rows=meta.sample_rows)
+        run = functools.partial(forward_packed, self.model, inputs[0], inputs[1], self.kv,
+                                graph_meta, self.attention)
+        side = torch.cuda.Stream(device)  # warm-up off the main stream, as capture requires
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            fast_decode(self.model, ids_in, positions_in, self.cache)
-        torch.cuda.current_stream(ids.device).wait_stream(side)
+            run()
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = fast_decode(self.model, ids_in, positions_in, self.cache)
-        return graph, ids_in, positions_in, logits
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = run()
+        return graph, inputs, logits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2384,6 +2813,10 @@ class SamplingParams:
              "must be None or an int >= 0: how many top logprobs besides the sampled token's")
         self._check_structured(need)
 
+    @property
+    def has_penalties(self):
+        return self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
+
     def _check_structured(self, need):
         given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
         try:  # compiled here (and cached), so that a bad constraint fails right away
@@ -2421,12 +2854,14 @@ def filter_logits(logits, top_k, top_p, min_p):  # changed in 07: one value per 
 
 
 class SamplingBatch:
-    """The sampling state of one batch, on the device: each row's parameters as (B,) tensors, a
-    generator for each seeded row and, when a row has a penalty, which tokens each prompt holds
-    and how often each token is in each output so far. Built once per batch; each step reads it
-    and `record` adds the step's tokens, with no host sync."""
+    """The sampling state of one step's rows, on the device: each row's parameters as (B,)
+    tensors, a generator for each seeded row and, when a row has a penalty, which tokens each
+    prompt holds and how often each token is in each output so far. Built each step from its
+    rows' requests (the engine's rows change from step to step); `record` adds the step's tokens,
+    with no host sync. outputs: each row's output ids so far (for the penalties; default none);
+    generators: each row's torch.Generator or None (default: a new one per seeded row)."""
 
-    def __init__(self, params, prompts, vocab_size, device):
+    def __init__(self, params, prompts, vocab_size, device, outputs=None, generators=None):
         def column(name):
             return torch.tensor([float(getattr(p, name)) for p in params], device=device)  # (B,)
 
@@ -2439,22 +2874,29 @@ class SamplingBatch:
         # of 151,936 logits a row, a batch without penalties their (B, V) bookkeeping
         self.all_greedy = all(p.temperature < GREEDY_BELOW for p in params)
         self.filters = any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params)
-        self.penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
-                             for p in params)
+        self.penalties = any(p.has_penalties for p in params)
         self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        self.generators = {row: torch.Generator(device).manual_seed(p.seed)
-                           for row, p in enumerate(params) if p.seed is not None}
+        if generators is None:
+            generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed)
+                          for p in params]
+        self.generators = {row: g for row, g in enumerate(generators) if g is not None}
         self.counts = self.in_prompt = None
         if self.penalties:
             self.counts = torch.zeros(len(params), vocab_size, device=device)  # (B, V)
             self.in_prompt = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
             for row, ids in enumerate(prompts):
                 self.in_prompt[row, torch.tensor(ids, device=device)] = True
+            for row, ids in enumerate(outputs or ()):
+                if ids:
+                    self.record_row(row, torch.tensor(ids, device=device))
 
     def record(self, tokens):
         """Count the step's tokens (B,) into each row's output, for the penalties."""
         if self.counts is not None:
             self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(self.counts[:, :1]))
+
+    def record_row(self, row, ids):
+        self.counts[row].scatter_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
 
 
 def apply_penalties(logits, batch):
@@ -2470,13 +2912,19 @@ def apply_penalties(logits, batch):
     return logits - batch.presence_penalty[:, None] * in_output
 
 
+def _row_uniforms(B, n, generators, device):
+    """(B, n) uniforms in [0, 1): a seeded row's from its own generator, so that its draws do not
+    depend on the other rows; the rest from torch's global one."""
+    u = torch.rand(B, n, device=device) if len(generators) < B else torch.empty(B, n, device=device)
+    for row, generator in generators.items():
+        u[row] = torch.rand(n, generator=generator, device=device)
+    return u
+
+
 def draw(probs, generators):
     """One token a row from probs (B, V) by the exponential race; generators: {row: generator}
     for the seeded rows, the others use torch's global generator."""
-    B, V = probs.shape
-    u = torch.rand(B, V, device=probs.device) if len(generators) < B else torch.empty_like(probs)
-    for row, generator in generators.items():
-        u[row] = torch.rand(V, generator=generator, device=probs.device)
+    u = _row_uniforms(*probs.shape, generators, probs.device)
     # E = -log(u) with u in [0, 1) lies in (0, inf]: never 0, so p / E is never 0 / 0
     return (probs / -torch.log(u)).argmax(dim=-1)
 
@@ -2516,6 +2964,204 @@ class Sampler:
         if batch.filters:
             logits = filter_logits(logits, batch.top_k, batch.top_p, batch.min_p)
         return logits.softmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 26. Speculative decoding: proposing k tokens, verifying them in one forward
+# ----------------------------------------------------------------------------------------------
+# A decode step is memory-bound: it reads every weight (and the KV cache) to make one token a
+# sequence, and the arithmetic units mostly wait. Scoring k + 1 positions reads the same bytes,
+# so it costs about one step. A cheap proposer guesses the next k tokens (an n-gram lookup in
+# the context, or a small draft model), the target scores them all in one forward, and a step
+# emits every guess the target accepts plus one token of its own: 1 to k + 1 tokens a step.
+#
+# What keeps the output exact (Leviathan et al. 2023, Chen et al. 2023): the target's
+# distribution p and the draft's q at a position; the draft token x ~ q is accepted with
+# probability min(1, p(x) / q(x)), and on a rejection the token comes from the residual
+# (p - q)+ / sum (p - q)+. Then P(y) = min(p(y), q(y)) + (1 - sum min(p, q)) (p(y) - q(y))+ /
+# sum (p - q)+ = min(p(y), q(y)) + (p(y) - q(y))+ = p(y), since sum (p - q)+ = 1 - sum min(p, q).
+# An n-gram proposer is a point mass q = 1 at x: accept with probability p(x), else draw from p
+# without x. Greedy rows accept a draft token iff it is the argmax, and so reproduce plain greedy
+# decoding token for token. Shapes: B rows, K draft positions, V the vocabulary.
+
+
+def ngram_propose(token_ids, k, max_n=4, min_n=1):
+    """Prompt lookup: for n from max_n down to min_n, the most recent earlier occurrence of the
+    last n tokens that k tokens followed, else the earliest one, and the up to k tokens that
+    followed it; [] when no n-gram recurs. (In a run of one repeated token, the most recent
+    occurrence ends just before the suffix and is followed by a single token; an earlier one
+    proposes k copies of it.) token_ids: a list of ints or a 1-D integer array (an engine that keeps
+    one array a sequence saves the conversion, which costs more than the search)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    last = len(ids) - 1
+    if last < 1 or k < 1:
+        return []
+    # Where the last token occurred before: the ends of the 1-gram matches. Each longer n keeps
+    # the ends whose n-th token back also matches: one pass over the sequence, then a few over
+    # a handful of candidates, not an n-gram compare at every position.
+    ends = np.flatnonzero(ids[:last] == ids[last])  # (C,) ascending
+    match = None
+    for n in range(1, max_n + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[ids[ends - (n - 1)] == ids[last - (n - 1)]]
+        if ends.size == 0:
+            break
+        if n >= min_n:  # the longest n-gram so far
+            full = ends[ends + k <= last]  # occurrences that k tokens follow
+            match = full[-1] if full.size else ends[0]
+    return [] if match is None else ids[match + 1:match + 1 + k].tolist()
+
+
+def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, greedy=None,
+                     generators=None):
+    """Accept a prefix of each row's draft and add one token, so that the tokens follow the
+    target's distribution exactly.
+
+    target_probs (B, K+1, V): the target's sampling distribution at each position (position i:
+    the token after the first i draft tokens). draft_tokens (B, K) int64, past num_draft
+    anything; num_draft (B,) int64 in 0..K, on the device. draft_probs (B, K, V): the draft's
+    distributions; None: a deterministic proposer (n-gram), a point mass at each draft token.
+    greedy (B,) bool or None: rows that take the argmax. generators: {row: generator} for the
+    seeded rows, as in `draw`; a seeded row draws K uniforms, then V for its last token.
+
+    Returns tokens (B, K+1) int64: the accepted draft tokens, then the one drawn token, then -1;
+    and num_accepted (B,) int64: row b emits num_accepted[b] + 1 tokens. No host sync.
+    """
+    B, K1, V = target_probs.shape
+    K, device = K1 - 1, target_probs.device
+    rows, positions = torch.arange(B, device=device), torch.arange(K, device=device)
+    proposed = positions < num_draft[:, None]  # (B, K)
+    drafts = torch.where(proposed, draft_tokens, 0)  # (B, K), the padding made a valid index
+    p_x = target_probs[:, :K].gather(-1, drafts[..., None])[..., 0]  # (B, K)
+    q_x = 1.0 if draft_probs is None else draft_probs.gather(-1, drafts[..., None])[..., 0]
+    # u < p/q has probability min(1, p/q); u * q < p never divides, and never accepts p(x) = 0
+    accept = _row_uniforms(B, K, generators or {}, device) * q_x < p_x  # (B, K)
+    if greedy is not None:
+        is_argmax = drafts == target_probs[:, :K].argmax(dim=-1)  # (B, K)
+        accept = torch.where(greedy[:, None], is_argmax, accept)
+    # the accepted prefix ends at the first rejection, or at the first position not proposed
+    num_accepted = (accept & proposed).long().cumprod(dim=1).sum(dim=1)  # (B,)
+
+    p = target_probs[rows, num_accepted]  # (B, V): where the last token comes from
+    weights = p
+    if K > 0:
+        rejected = num_accepted < num_draft  # (B,): else every draft was accepted, p is the bonus
+        at = num_accepted.clamp(max=K - 1)  # (B,) a valid index where no draft was rejected
+        if draft_probs is None:  # a point mass: the residual is p without the rejected token
+            residual = p.scatter(-1, drafts[rows, at][:, None], 0.0)  # (B, V)
+        else:
+            residual = (p - draft_probs[rows, at]).clamp(min=0)  # (B, V)
+        # The race needs weights, not probabilities, so the residual stays unnormalized. An all
+        # zero one (p <= q everywhere, so p = q) is rejected with probability 0, but rounding can
+        # reach it, and a race over zeros would return token 0: p is the safe fallback.
+        weights = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p)
+    last = draw(weights, generators or {})  # (B,)
+    if greedy is not None:
+        last = torch.where(greedy, p.argmax(dim=-1), last)
+
+    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1)  # (B, K+1)
+    tokens = torch.where(torch.arange(K1, device=device) < num_accepted[:, None], tokens, -1)
+    return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
+
+
+# The proposers. Each sets, for the sequences it is given, draft_tokens (at most k each) and,
+# when it has one, draft_probs: the distribution each draft token was drawn from.
+# Speculation pays while a step's accepted drafts are worth more than the verification costs.
+# A sequence whose mean accepted drafts a step falls below SPEC_MIN_ACCEPTED stops proposing,
+# and proposes once every SPEC_PROBE_STEPS steps to measure again (LLMEngine._propose).
+SPEC_MIN_ACCEPTED = 0.5
+SPEC_PROBE_STEPS = 16
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens. No model and no cache: it costs a search a sequence, and proposes nothing
+    where the text has not repeated itself."""
+
+    def __init__(self, max_n=4):
+        self.max_n = max_n
+
+    def propose(self, seqs, ks):
+        for seq, k in zip(seqs, ks):
+            seq.draft_tokens = ngram_propose(np.asarray(seq.token_ids), k, self.max_n)
+
+
+class DraftProposer:
+    """A smaller model over the same vocabulary proposes k tokens a sequence, one decode step at a
+    time, each drawn from its own distribution q (the argmax for a greedy request), which the
+    rejection sampler needs. It runs on a ModelRunner of its own, whose cache is indexed by the
+    target's block tables: a block holds the target's keys and values in the target's pool and
+    the draft's in the draft's. Each proposal first catches the draft up on the tokens it has not
+    seen (a whole prompt at first, then the verified tokens) in one packed step."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    @torch.inference_mode()
+    def propose(self, seqs, ks):
+        runner, previous = self.runner, None
+        entries = [(seq.token_ids[seq.num_draft_computed:], None, seq.num_draft_computed,
+                    seq.block_table, 1) for seq in seqs]
+        drafts, probs, active = [[] for _ in seqs], [[] for _ in seqs], list(range(len(seqs)))
+        for _ in range(max(ks)):
+            logits = runner.forward(entries, previous)  # (B, V): each active sequence's next
+            batch = runner.sampling_batch([seqs[i] for i in active])
+            q = Sampler.probs(logits.float(), batch)  # (B, V)
+            tokens = torch.where(batch.greedy, q.argmax(dim=-1), draw(q, batch.generators))
+            for row, i in enumerate(active):
+                drafts[i].append(tokens[row])
+                probs[i].append(q[row])
+            entries, rows, previous = [], [], tokens  # the next step reads its ids on the device
+            for row, i in enumerate(active):
+                if len(drafts[i]) < ks[i]:
+                    seq = seqs[i]
+                    entries.append(([0], len(rows), seq.num_tokens + len(drafts[i]) - 1,
+                                    seq.block_table, 1))
+                    rows.append(row)
+            if not entries:
+                break
+            previous = tokens[self.runner._to_device(rows, torch.int64)]
+            active = [i for i in active if len(drafts[i]) < ks[i]]
+        for seq, draft, q in zip(seqs, drafts, probs):
+            seq.draft_tokens = torch.stack(draft).tolist()
+            seq.draft_probs = torch.stack(q)  # (k, V)
+            seq.num_draft_computed = seq.num_tokens + len(draft) - 1
+
+
+def make_proposer(spec, model, num_blocks, block_size, max_model_len, enforce_eager):
+    """(proposer, k, min_accepted) of LLM's speculative argument: {"method": "ngram" | "draft",
+    "num_tokens": k (default 4), "model": the draft (a Qwen3, a directory or a Hub id; with
+    "draft"), "max_n" (ngram; default 4), "min_accepted" (default SPEC_MIN_ACCEPTED)}."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': "
+                        f"4}}, not {type(spec).__name__}")
+    known = {"method", "num_tokens", "model", "max_n", "min_accepted"}
+    if set(spec) - known:
+        raise ValueError(f"speculative: unknown keys {sorted(set(spec) - known)}; known: {sorted(known)}")
+    method, k = spec.get("method"), spec.get("num_tokens", 4)
+    min_accepted = spec.get("min_accepted", SPEC_MIN_ACCEPTED)
+    if not _is_int(k) or not 1 <= k <= 16:
+        raise ValueError(f"speculative: num_tokens = {k!r} must be an int from 1 to 16")
+    if not _is_number(min_accepted) or min_accepted < 0:
+        raise ValueError(f"speculative: min_accepted = {min_accepted!r} must be a number >= 0")
+    if method == "ngram":
+        if "model" in spec:
+            raise ValueError("speculative: n-gram lookup takes no model")
+        max_n = spec.get("max_n", 4)
+        if not _is_int(max_n) or max_n < 1:
+            raise ValueError(f"speculative: max_n = {max_n!r} must be a positive int")
+        return NgramProposer(max_n), k, min_accepted
+    if method != "draft":
+        raise ValueError(f"speculative: method = {method!r} must be 'ngram' or 'draft'")
+    draft = spec.get("model")  # (LLM has loaded a directory's or a Hub id's)
+    if not isinstance(draft, Qwen3):
+        raise ValueError("speculative: 'draft' needs a model: a Qwen3, a directory or a Hub id")
+    if draft.cfg.vocab_size != model.cfg.vocab_size or _device_of(draft) != _device_of(model):
+        raise ValueError(f"speculative: the draft model must share the target's vocabulary "
+                         f"({model.cfg.vocab_size}) and device ({_device_of(model)}), not "
+                         f"{draft.cfg.vocab_size} on {_device_of(draft)}")
+    runner = ModelRunner(draft.eval(), num_blocks, block_size, max_model_len, enforce_eager)
+    return DraftProposer(runner), k, min_accepted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3276,14 +3922,12 @@ class GrammarCache:
 # Chapter 16. The engine
 # ----------------------------------------------------------------------------------------------
 # Requests flow one way through small parts (see ENGINE.md): a prompt becomes a Sequence, the
-# Scheduler picks the sequences of the next step, the ModelRunner turns them into tensors, runs
-# the model and samples, the Sequence takes its new token, and finished sequences come back as
-# RequestOutputs. The model never sees a Sequence and the scheduler never sees a tensor.
-#
-# This first engine batches statically: a batch starts with one prefill of all its prompts and
-# then decodes one token a row per step until its last sequence has finished; a finished row
-# idles in its place, so the batch keeps its shape. It is the simple path every faster engine of
-# the book is checked against.
+# Scheduler picks the sequences of the next step and how many tokens each runs, the BlockManager
+# hands out the blocks of the KV cache they need, the ModelRunner packs them into one forward
+# pass and samples, each Sequence takes its new tokens, and the requests that advanced come back
+# as RequestOutputs. The model never sees a Sequence and the scheduler never sees a tensor.
+# LLMEngine.step is the loop's body; LLM.generate runs it until every request is done, and stage
+# 08's server calls it from its own loop.
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -3292,35 +3936,59 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request: its prompt and output ids, its sampling rules and where it stands. Its status
-    goes WAITING -> RUNNING -> FINISHED, changed by the scheduler only."""
+    """One request: its token ids (the prompt, then the output), its sampling rules and where it
+    stands. Its status goes WAITING -> RUNNING -> FINISHED, back to WAITING when it is
+    preempted, changed by the scheduler only. The keys and values of its first
+    num_computed_tokens tokens are in the cache (or being written by a launched step), in the
+    blocks of block_table; under async scheduling num_pending more tokens were sampled on the
+    device and are not read back yet."""
 
-    def __init__(self, seq_id, prompt_token_ids, params, max_tokens, grammar=None):
-        self.seq_id = seq_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids = []
+    def __init__(self, request_id, prompt_token_ids, params, max_tokens, grammar=None,
+                 generator=None):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
         self.grammar = grammar  # structured output's TokenMasker, or None
         self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
+        self.generator = generator  # a seeded request's own random stream
         self.status = SequenceStatus.WAITING
         self.finish_reason = None
         self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
         self.logprobs = [] if params.logprobs is not None else None  # one {id: logprob} a token
-
-    def __len__(self):
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_pending = 0
+        # speculative decoding: the tokens proposed for the next step (and a draft model's
+        # probabilities for them, (k, V)), the positions the draft model has in its cache, and
+        # the mean number of drafts accepted a step (a moving average, from all k accepted)
+        self.draft_tokens, self.draft_probs = [], None
+        self.num_draft_computed = 0
+        self.mean_accepted, self.steps_unspeculated = math.inf, 0
 
     @property
-    def last_token(self):
-        return (self.output_token_ids or self.prompt_token_ids)[-1]
+    def num_tokens(self):
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self):
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self):
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self):
         return self.status is SequenceStatus.FINISHED
 
     def append(self, token, logprobs=None):
-        self.output_token_ids.append(token)
+        self.token_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
         if self.grammar is not None:
@@ -3330,60 +3998,317 @@ class Sequence:
 
 @dataclass
 class RequestOutput:
-    """What generate returns for one prompt."""
+    """A request's result: what generate returns for a prompt, and what LLMEngine.step returns
+    for each request that advanced (then token_ids so far, and finish_reason None until the
+    request ends)."""
     prompt_token_ids: list
     token_ids: list  # the generated ids, the eos or stop id that ended the request included
     text: str | None  # their text, without that final eos or stop id and, as vLLM's default
-    #                   (skip_special_tokens), without special tokens; None without a tokenizer
-    finish_reason: str  # "stop": an eos or stop id, or structured output complete; "length":
-    #                     max_tokens or the context limit
+    #                   (skip_special_tokens), without special tokens; None without a tokenizer,
+    #                   and until the request ends
+    finish_reason: str | None  # "stop": an eos or stop id, or structured output complete;
+    #                            "length": max_tokens or the context limit; "abort"
     logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
     #                               id and the top ones
+    request_id: object = None
 
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 25. The paged KV cache: blocks and block tables; chapter 31: prefix caching
+# ----------------------------------------------------------------------------------------------
+# The model runner's cache is a pool of num_blocks blocks of block_size token slots, and each
+# sequence owns a block table: the ids of its blocks, in token order. Paging means no sequence
+# reserves slots for its longest possible length up front; it takes a block when it needs one,
+# so the only waste is the unfilled tail of each sequence's last block.
+#
+# Sequences whose prompts start alike (a system prompt, a chat's earlier turns) share the blocks
+# of that prefix instead of computing them again, so a block carries a reference count: the
+# number of tables that hold it. A full block is named by a chained hash, of its tokens and of
+# its parent block's hash, because its keys and values depend on every token before it, not on
+# its own tokens alone. A cached block whose count falls to 0 keeps its contents and its name
+# and may still be found by a later prompt; it is reused for other tokens only when no block is
+# left on the free list, least recently freed first (LRU).
+#
+# Legend: a block table is a list[int] of block ids; tokens [i * block_size, (i + 1) * block_size)
+# of a sequence live in block table[i].
+
+def block_hash(parent, token_ids):
+    """The 16-byte chained hash of a full block: its parent block's hash (None for a sequence's
+    first block) and its token ids. blake2b makes a hit mean the same tokens after the same
+    prefix, not merely the same bucket."""
+    data = (parent or bytes(16)) + np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class BlockManager:
+    """The bookkeeping of the paged KV cache, no tensors: which blocks are free, which sequences
+    hold which, and which full blocks can be found again by their contents. A block is in exactly
+    one of three places: the free list, the evictable LRU (reference count 0, still cached), or
+    in use (held by at least one block table)."""
+
+    def __init__(self, num_blocks, block_size=16, enable_prefix_caching=True):
+        if not _is_int(num_blocks) or num_blocks < 1:
+            raise ValueError(f"BlockManager: num_blocks = {num_blocks!r} must be a positive int")
+        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"BlockManager: block_size = {block_size!r} must be a positive int "
+                             "and a power of two (the attention kernels tile by it)")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"BlockManager: enable_prefix_caching = {enable_prefix_caching!r} "
+                             "must be True or False")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks = deque(range(num_blocks))  # count 0, nothing cached in them
+        self.ref_counts = [0] * num_blocks
+        self.hashes = [None] * num_blocks  # a full block's chained hash, registered or not
+        self.cached = {}  # hash -> the one block registered under it
+        self.evictable = OrderedDict()  # cached blocks of count 0, least recently freed first
+        self.reset_stats()
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def prefix_hit_rate(self):
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def reset_stats(self):
+        self.hit_tokens = self.query_tokens = 0
+
+    def blocks_needed(self, table, num_tokens):
+        return max(0, -(-num_tokens // self.block_size) - len(table))
+
+    def allocate_prefix(self, table, token_ids):
+        """At admission: append the cached blocks that begin token_ids to the empty table and
+        return how many tokens they hold. The last token is never covered, so its logits are
+        computed and the sequence's first write lands in a block of its own."""
+        assert not table, "allocate_prefix starts a block table, it does not extend one"
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        self.query_tokens += len(token_ids)
+        self.hit_tokens += len(table) * bs
+        return len(table) * bs
+
+    def grow(self, table, num_tokens):
+        """Append fresh blocks until the table holds num_tokens slots: all of them, or, when too
+        few blocks are free, none (False)."""
+        needed = self.blocks_needed(table, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            if self.free_blocks:
+                block = self.free_blocks.popleft()
+            else:  # evict: new tokens will overwrite its contents, so its name must go too
+                block, _ = self.evictable.popitem(last=False)
+                del self.cached[self.hashes[block]]
+                self.hashes[block] = None
+            assert self.ref_counts[block] == 0 and self.hashes[block] is None, (
+                f"block {block} handed out while held or named")
+            self.ref_counts[block] = 1
+            table.append(block)
+        return True
+
+    def cache_full_blocks(self, table, token_ids, start, end):
+        """Tokens [start, end) now have their keys and values in the cache: name each block that
+        became full, so that later prompts can find it. Only those blocks are touched, since
+        this runs for every sequence every step."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        assert 0 <= start <= end <= len(token_ids) and end <= len(table) * bs, (start, end)
+        for i in range(start // bs, end // bs):
+            parent = self.hashes[table[i - 1]] if i else None
+            assert i == 0 or parent is not None, f"block {i} is cached before its parent"
+            h = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = table[i]
+            assert self.hashes[block] in (None, h), f"block {block}'s tokens changed"
+            # Two sequences may have computed the same block; the first stays the one found,
+            # the second keeps its hash so that its own children chain from it.
+            self.hashes[block] = h
+            self.cached.setdefault(h, block)
+
+    def free(self, table):
+        """A finished or preempted sequence lets go of its blocks. Its last block goes first, so
+        that under eviction a shared prefix loses its tail before its head."""
+        for block in reversed(table):
+            assert self.ref_counts[block] > 0, f"block {block} freed more often than taken"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block]:
+                continue
+            if self.cached.get(self.hashes[block]) == block:
+                self.evictable[block] = None
+            else:
+                self.hashes[block] = None
+                self.free_blocks.append(block)
+        table.clear()
+
+    def check(self, tables):
+        """Assert the invariants, given the block table of every live sequence."""
+        held = Counter()
+        for table in tables:
+            assert len(set(table)) == len(table), f"a block table holds a block twice: {table}"
+            held.update(table)
+        free, evictable = set(self.free_blocks), set(self.evictable)
+        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
+        assert not free & evictable, f"blocks both free and evictable: {free & evictable}"
+        assert not (free | evictable) & held.keys(), (
+            f"blocks free or evictable but held by a table: {(free | evictable) & held.keys()}")
+        assert len(free) + len(evictable) + len(held) == self.num_blocks, (
+            f"free {len(free)} + evictable {len(evictable)} + used {len(held)} != "
+            f"{self.num_blocks} blocks")
+        unknown = (free | evictable | held.keys()) - set(range(self.num_blocks))
+        assert not unknown, f"block ids outside the pool: {unknown}"
+        for block, count in enumerate(self.ref_counts):
+            assert count == held[block], (
+                f"block {block}: reference count {count}, but {held[block]} tables hold it")
+        for h, block in self.cached.items():
+            assert self.hashes[block] == h, f"the hash map names block {block} for another hash"
+        for block in evictable:
+            assert self.cached.get(self.hashes[block]) == block, f"evictable {block} not cached"
+        for block in free:
+            assert self.hashes[block] is None, f"free block {block} still has a hash"
+        assert self.enable_prefix_caching or not self.cached, "cached blocks without caching"
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 24. Continuous batching: the scheduler
+# ----------------------------------------------------------------------------------------------
+# A static batch runs until its longest request ends: a request that finishes early leaves its
+# row idle, and a new one waits for the whole batch. Continuous batching (Orca, Yu et al. 2022)
+# decides every step which sequences run: one that finishes leaves at once, and a waiting one
+# joins the next step. A step then mixes kinds of work: decodes of running sequences (one token
+# each) and prefills of new ones (many tokens), packed side by side into one forward pass
+# (forward_packed). Two budgets bound a step: max_num_seqs sequences and max_num_batched_tokens
+# tokens. A long prompt does not stall the decodes for a whole step of its own: it is
+# prefilled in chunks of what the budget leaves after them (chunked prefill, Agrawal et al.
+# 2023), one chunk a step. The blocks of the paged cache are the third limit: when none is left
+# for a running sequence's next token, the latest admitted sequence is preempted (vLLM's
+# recompute policy): its blocks are freed and it waits at the head of the queue, to be
+# prefilled again with everything it has generated so far.
 
 class Scheduler:
-    """Which sequences run in the next step: the running batch, or, when there is none, up to
-    max_batch_size waiting sequences that start together with a prefill (static batching)."""
+    """Which sequences run in the next step, and how many of their tokens. Running sequences
+    first, oldest first (a decode takes one token of the budget, a prompt being prefilled its
+    next chunk); then waiting ones, first come first served, while the step has budget and a
+    sequence slot left, the last one admitted possibly with a chunk of its prompt only. The
+    step's tokens never exceed the budget; a preempted sequence resumes with the output it had."""
 
-    def __init__(self, max_batch_size, eos_token_ids):
-        self.max_batch_size = max_batch_size
+    def __init__(self, block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids):
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = deque()
-        self.batch = []  # the running batch, finished rows included, in the cache's row order
+        self.running = []  # in the order of admission: the last one is preempted first
+        self.num_preemptions = 0
 
     def add(self, seq):
         self.waiting.append(seq)
 
     def has_unfinished(self):
-        return bool(self.waiting or self.batch)
+        return bool(self.waiting or self.running)
 
     def schedule(self):
-        """(sequences, is_prefill) of the next step."""
-        if not self.batch:
-            count = min(self.max_batch_size, len(self.waiting))
-            self.batch = [self.waiting.popleft() for _ in range(count)]
-            for seq in self.batch:
-                seq.status = SequenceStatus.RUNNING
-            return self.batch, True
-        return self.batch, False
+        """[(sequence, its new tokens this step)], and each sequence's num_computed_tokens moved
+        past them. A decode's draft tokens (speculative decoding) count as new tokens, the last
+        ones, cut to what the budget leaves."""
+        budget, batch, preempted = self.max_num_batched_tokens, [], False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
+                continue  # preempted in this loop, or its last token is on its way
+            needed = seq.num_tokens - seq.num_computed_tokens
+            n = min(needed + len(seq.draft_tokens), budget)
+            seq.draft_tokens = seq.draft_tokens[:max(0, n - needed)]
+            while not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n):
+                preempted = True
+                self.preempt(self.running[-1])
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.append((seq, n))
+                budget -= n
+        while (self.waiting and budget and len(self.running) < self.max_num_seqs
+               and not preempted and not self.waiting[0].num_pending):
+            seq = self.waiting[0]
+            cached = self.block_manager.allocate_prefix(seq.block_table, seq.token_ids)
+            n = min(seq.num_tokens - cached, budget)
+            if not self.block_manager.grow(seq.block_table, cached + n):
+                self.block_manager.free(seq.block_table)
+                break
+            self.waiting.popleft()
+            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, cached
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        return batch
+
+    def preempt(self, seq):
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        seq.draft_tokens, seq.draft_probs, seq.num_draft_computed = [], None, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq, reason):
+        """End a sequence wherever it is (a queue or the running batch) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def postprocess(self, seqs, tokens, logprobs):
-        """Give each running row its new token, finish the rows it ends, and end the batch once
-        every row has finished. Returns the sequences that finished in this step."""
-        finished = []
-        for seq, token, token_logprobs in zip(seqs, tokens, logprobs):
-            if seq.is_finished:  # an idle row: its token is not used
+        """Give each sequence its new tokens (a list each), register the blocks they filled for
+        prefix caching, and finish the sequences they end. Returns the sequences that advanced."""
+        advanced = []
+        for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
+            seq.num_pending -= 1
+            if seq.draft_tokens:  # the rejected drafts' positions are computed again later
+                k, accepted = len(seq.draft_tokens), len(new) - 1
+                seq.num_computed_tokens -= k - accepted
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+                seq.mean_accepted = 0.7 * min(seq.mean_accepted, k) + 0.3 * accepted
+                seq.draft_tokens, seq.draft_probs = [], None
+            if seq.is_finished:  # ended (by eos, or aborted) while this step ran
                 continue
-            seq.append(token, token_logprobs)
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finish_reason == "stop" and not self._grammar_finished(seq):
-                seq.stop_token_id = token
-            if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                finished.append(seq)
-        if all(seq.is_finished for seq in self.batch):
-            self.batch = []
-        return finished
+            for token, token_logprobs in zip(new, new_logprobs):
+                seq.append(token, token_logprobs)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    if reason == "stop" and not self._grammar_finished(seq):
+                        seq.stop_token_id = token
+                    self.finish(seq, reason)
+                    break
+            advanced.append(seq)
+        return advanced
+
+    def register_computed(self, spans):
+        """Blocks that a step filled become reusable by later prompts (prefix caching). spans:
+        [(sequence, start, end)], the positions the step computed; their tokens are all known by
+        now. A sequence preempted since then has lost those blocks."""
+        for seq, start, end in spans:
+            if seq.status is SequenceStatus.RUNNING:  # (rejected drafts are not computed)
+                end = min(end, seq.num_computed_tokens)
+                self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, start, end)
 
     def _finish_reason(self, seq, token):
         # Under a grammar the mask allows eos only where the text is complete, and there eos ends
@@ -3393,7 +4318,7 @@ class Scheduler:
             return "stop"
         if self._grammar_finished(seq):  # the automaton accepts, and nothing may follow
             return "stop"
-        if len(seq.output_token_ids) >= seq.max_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
             return "length"
         return None
 
@@ -3402,57 +4327,190 @@ class Scheduler:
         return seq.grammar is not None and seq.grammar.is_finished(seq.grammar_state)
 
 
-class ModelRunner:
-    """Turns a step's sequences into tensors, runs the model and samples. It owns the KV cache,
-    allocated at a batch's prefill for the batch's longest possible sequence and reused by later
-    batches that fit in it, and the batch's sampling state. With the model on its kernels, decode
-    steps run fast_decode, replayed from CUDA graphs on a GPU unless enforce_eager, and with
-    async_scheduling each one is launched before the tokens of the step before it are read."""
+class StepHandle:
+    """A launched step: the positions it computed, and the tokens it sampled on their way to the
+    host."""
 
-    def __init__(self, model, enforce_eager=False, async_scheduling=True):
-        self.model = model
-        self.device = model.inv_freq.device
-        self.dtype = model.model.embed_tokens.weight.dtype
-        self.vocab_size = model.cfg.vocab_size
-        self.enforce_eager, self.async_scheduling = enforce_eager, async_scheduling
+    def __init__(self, spans, seqs, tokens, read):
+        self.spans = spans  # [(sequence, start, end)]: the positions computed, as scheduled
+        self.seqs = seqs  # the sequences that sampled
+        self.rows = {seq: row for row, seq in enumerate(seqs)}  # a sequence's row in tokens
+        self.tokens = tokens  # (S,) on the device: one token a sequence (no speculation)
+        self.read = read  # () -> (new tokens, logprobs): a list per sequence, waiting for them
+
+
+class ModelRunner:
+    """Turns a step's packed sequences into tensors, runs the model and samples. It owns the
+    paged KV cache, allocated once; decode steps replay CUDA graphs on a GPU (unless
+    enforce_eager), other steps run forward_packed eagerly. launch() only queues the work and
+    starts copying the sampled tokens back: the StepHandle's read() waits for them."""
+
+    def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False):
+        self.model = fuse_projections(model)
+        cfg = model.cfg
+        self.device, self.dtype = _device_of(model), model.model.embed_tokens.weight.dtype
+        self.vocab_size, self.block_size = cfg.vocab_size, block_size
+        self.max_len = triton.cdiv(max_model_len, block_size) * block_size  # the blocks' reach
+        self.attention = triton_attention if model.kernels else torch_attention
+        # one block more than the manager hands out: the scratch block, where a graph's padding
+        # rows write their keys and values
+        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
+                 cfg.head_dim)
+        self.kv = (torch.zeros(shape, device=self.device, dtype=self.dtype),
+                   torch.zeros(shape, device=self.device, dtype=self.dtype))
+        self.scratch_slot = num_blocks * block_size
+        graphed = self.device.type == "cuda" and model.kernels and not enforce_eager
+        self.graphs = DecodeGraphs(self.model, self.kv, self.max_len, self.attention) if graphed else None
         self.sampler = Sampler()
-        self.cache = None
-        self.sampling = None
-        self.graphs = None  # DecodeGraphs over the current cache
-        self.ahead = None  # async_scheduling: the logits of the decode step launched in advance
 
     @torch.inference_mode()
-    def run(self, seqs, is_prefill):
-        """One step: the prefill of a new batch, or one decode step. Returns each row's next token
-        and, where the row asked, its logprobs."""
-        ahead, self.ahead = self.ahead, None
-        if is_prefill:
-            logits = self._prefill(seqs)  # (B, V)
-        else:
-            logits = ahead if ahead is not None else self._decode(seqs)
-        # A state's first mask is computed here, on the host, while a GPU still runs the forward
-        # pass queued above; a state met before costs a dict lookup.
-        masks = [None if seq.grammar is None or seq.is_finished
-                 else seq.grammar.mask(seq.grammar_state) for seq in seqs]
-        tokens, logprobs = self.sampler(logits, self.sampling, masks)
-        read = self._read_back(tokens, logprobs)
-        if self.async_scheduling and self.model.kernels:
-            # Launch the next step now, fed on the device with the tokens just sampled, so that
-            # the GPU runs it while the host reads them and updates the sequences. A row that
-            # ended before this step stays at its last position; a row that ends with this
-            # step gets a step whose result nobody reads, as does the batch after its last one.
-            positions = [len(seq) - 1 if seq.is_finished else len(seq) for seq in seqs]
-            self.ahead = self._fast_step(tokens, positions)
-        tokens, logprobs = read()  # the step's one host sync: the scheduler needs the tokens
-        tokens = tokens.tolist()
-        return tokens, self._logprobs_lists(seqs, tokens, logprobs)
+    def launch(self, batch, previous=None):
+        """Queue one step: batch = [(sequence, its new tokens)] as scheduled (num_computed_tokens
+        already past them, a sequence's draft tokens last). A new token not yet on the host is
+        the one `previous` (a StepHandle) sampled: it is read on the device. Returns a StepHandle."""
+        entries, seqs, spans = [], [], []
+        for seq, n in batch:
+            end, k = seq.num_computed_tokens, len(seq.draft_tokens)
+            start = end - n
+            ids, from_previous = seq.token_ids[start:end - k], None
+            if len(ids) < n - k:  # the last one is on its way from the previous step
+                ids, from_previous = ids + [0], previous.rows[seq]
+            samples = 0
+            if end - k == seq.num_tokens:  # all its tokens are in: it samples (k + 1 rows)
+                samples = k + 1
+                seqs.append(seq)
+            entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table, samples))
+            spans.append((seq, start, end))
+        logits = self.forward(entries, previous.tokens if previous is not None else None)
+        plain = [seq for seq in seqs if not seq.draft_tokens]
+        tokens = logprobs = None
+        if plain:
+            if len(plain) < len(seqs):  # a speculative step: the plain rows' logits, one each
+                ends = np.cumsum([len(seq.draft_tokens) + 1 for seq in seqs]) - 1
+                logits_plain = logits[self._to_device(
+                    [end for end, seq in zip(ends, seqs) if not seq.draft_tokens], torch.int64)]
+            else:
+                logits_plain = logits
+            masks = [None if s.grammar is None else s.grammar.mask(s.grammar_state) for s in plain]
+            tokens, logprobs = self.sampler(logits_plain, self.sampling_batch(plain), masks)
+        read_plain = self._read_back(tokens, logprobs)
+        read_spec = self._verify(seqs, logits) if len(plain) < len(seqs) else None
+
+        def lists():
+            """A list of new tokens and one of logprobs per sequence, in seqs' order."""
+            tokens_list, logprobs_tensors = read_plain()
+            per_seq = dict(zip(plain, zip([[t] for t in tokens_list], [[x] for x in self.logprobs_lists(
+                plain, tokens_list, logprobs_tensors)])))
+            if read_spec is not None:
+                per_seq.update(read_spec())
+            new = [per_seq[seq] for seq in seqs]
+            return [t for t, _ in new], [lp for _, lp in new]
+        return StepHandle(spans, seqs, tokens, lists)
+
+    def sampling_batch(self, seqs, repeat=1):
+        """The SamplingBatch of the sequences, each in `repeat` rows (one per verified position)."""
+        seqs = [seq for seq in seqs for _ in range(repeat)]
+        return SamplingBatch([s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                             self.vocab_size, self.device, outputs=[s.output_token_ids for s in seqs],
+                             generators=[s.generator for s in seqs] if repeat == 1 else None)
+
+    @torch.inference_mode()
+    def forward(self, entries, previous_tokens=None):
+        """One packed forward pass. entries: [(ids, from_previous, start, block_table, samples)]:
+        a sequence's new token ids (a list) at positions start.., the last one taken on the
+        device from previous_tokens[from_previous] when that is not None; `samples`: how many
+        of its last rows need logits. Returns those logits (rows, V), in order."""
+        bs = self.block_size
+        ids, pending, positions, slots, lengths, tables, cu, sample_rows = [], [], [], [], [], [], [0], []
+        for tokens, from_previous, start, table, samples in entries:
+            end = start + len(tokens)
+            if from_previous is not None:
+                pending.append((len(ids) + len(tokens) - 1, from_previous))
+            ids += tokens
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            lengths.append(end)
+            tables.append(table)
+            cu.append(len(ids))
+            sample_rows += range(len(ids) - samples, len(ids))
+        graphed = len(ids) == len(entries) and self.graphs is not None  # a decode step
+        if graphed:  # padded to its graph's bucket: rows that read nothing, write the scratch slot
+            pad = graph_bucket(len(ids)) - len(ids)
+            ids, positions, lengths = ids + [0] * pad, positions + [0] * pad, lengths + [0] * pad
+            slots += [self.scratch_slot] * pad
+            cu += range(cu[-1] + 1, cu[-1] + pad + 1)
+        table_array = np.zeros((len(lengths), max(map(len, tables))), dtype=np.int32)
+        for row, table in enumerate(tables):
+            table_array[row, :len(table)] = table
+        ids_d = self._to_device(ids, torch.int64)
+        if pending:
+            dst, src = zip(*pending)
+            ids_d[self._to_device(dst, torch.int64)] = previous_tokens[self._to_device(src, torch.int64)]
+        rows_d = self._to_device(sample_rows, torch.int64)
+        meta = AttentionMetadata(
+            slots=self._to_device(slots, torch.int64), cu_seqlens_q=self._to_device(cu, torch.int32),
+            lengths=self._to_device(lengths, torch.int32),
+            block_tables=self._to_device(table_array, torch.int32),
+            max_q_len=max(len(e[0]) for e in entries), max_len=table_array.shape[1] * bs,
+            sample_rows=rows_d)
+        positions_d = self._to_device(positions, torch.int64)
+        if not graphed:
+            return forward_packed(self.model, ids_d, positions_d, self.kv, meta, self.attention)
+        meta.sample_rows = torch.arange(len(ids), device=self.device)
+        logits = self.graphs(ids_d, positions_d, meta)  # (bucket, V)
+        return logits if len(sample_rows) == len(ids) else logits[rows_d]
+
+    def _verify(self, seqs, logits):
+        """Speculative decoding's check of the sequences of a step that carry draft tokens:
+        logits holds k + 1 rows for each of seqs (1 for one without drafts, skipped here). The
+        target's distribution at each position, then rejection_sample. Returns a function that
+        waits for the result: {sequence: (new tokens, logprobs)}."""
+        index, start, drafted = [], 0, []
+        K = max(len(seq.draft_tokens) for seq in seqs)
+        for seq in seqs:
+            k = len(seq.draft_tokens)
+            if k:  # (K + 1) rows of logits, the last one repeated past k
+                index.append([start + min(i, k) for i in range(K + 1)])
+                drafted.append(seq)
+            start += k + 1
+        index = self._to_device(index, torch.int64)
+        probs = Sampler.probs(logits[index.flatten()].float(), self.sampling_batch(
+            drafted, repeat=K + 1)).view(len(drafted), K + 1, -1)  # (B, K + 1, V)
+        drafts = self._to_device([s.draft_tokens + [0] * (K - len(s.draft_tokens)) for s in drafted],
+                                 torch.int64)  # (B, K)
+        num_draft = self._to_device([len(s.draft_tokens) for s in drafted], torch.int64)
+        draft_probs = None
+        if drafted[0].draft_probs is not None:  # a draft model's, (k, V) a sequence: zero-padded
+            draft_probs = torch.zeros(len(drafted), K, probs.shape[-1], device=self.device)
+            for row, seq in enumerate(drafted):
+                draft_probs[row, :len(seq.draft_tokens)] = seq.draft_probs
+        greedy = self._to_device([s.params.temperature < GREEDY_BELOW for s in drafted], torch.bool)
+        generators = {row: s.generator for row, s in enumerate(drafted) if s.generator is not None}
+        tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy, generators)
+        read = self._read_back(tokens, (accepted,))
+
+        def wait():
+            tokens_list, (accepted_t,) = read()
+            return {seq: (row[:a + 1], [None] * (a + 1))
+                    for seq, row, a in zip(drafted, tokens_list, accepted_t.tolist())}
+        return wait
+
+    def _to_device(self, data, dtype):
+        """A host list or array on the device: from pinned memory, without waiting for the GPU."""
+        t = torch.as_tensor(np.asarray(data), dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _read_back(self, tokens, logprobs):
-        """Start copying the sampler's outputs to the host; under async_scheduling, the function
-        returned waits for these copies only, not for what is queued on the GPU after them."""
+        """Start copying the sampled tokens (and logprobs) to the host; the function returned waits
+        for these copies only, not for what is queued on the GPU after them, and returns
+        (tokens as a list, logprobs)."""
+        if tokens is None:
+            return lambda: ([], None)
         tensors = [tokens, *(logprobs or ())]
         copied = None
-        if self.device.type == "cuda" and self.async_scheduling:
+        if self.device.type == "cuda":
             tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
             copied = torch.cuda.Event()
             copied.record()
@@ -3460,67 +4518,11 @@ class ModelRunner:
         def wait():
             if copied is not None:
                 copied.synchronize()
-            return tensors[0], (tuple(tensors[1:]) if logprobs is not None else None)
-
+            return tensors[0].tolist(), (tuple(tensors[1:]) if logprobs is not None else None)
         return wait
 
-    def _prefill(self, seqs):
-        """Every prompt at once, right-padded to the longest. Causal attention never lets a real
-        token see the padding after it, and the padding's keys land in cache positions that
-        decoding overwrites before it reads them."""
-        lengths = [len(seq.prompt_token_ids) for seq in seqs]
-        T = max(lengths)
-        self._reserve(len(seqs), max(n + seq.max_tokens for n, seq in zip(lengths, seqs)))
-        ids = torch.tensor([seq.prompt_token_ids + [0] * (T - n) for seq, n in zip(seqs, lengths)],
-                           device=self.device)  # (B, T)
-        h = self.model.hidden_states(ids, cache=self.cache)  # (B, T, C)
-        last = torch.tensor(lengths, device=self.device) - 1  # each row's last prompt token
-        self.sampling = SamplingBatch([seq.params for seq in seqs],
-                                      [seq.prompt_token_ids for seq in seqs], self.vocab_size,
-                                      self.device)
-        return self.model.logits(h[torch.arange(len(seqs), device=self.device), last])  # (B, V)
-
-    def _decode(self, seqs):
-        """One token a row: each row's last token, at its position. A finished row repeats its
-        last step (rewriting the same key and value), and its result is not used."""
-        positions = [len(seq) - 1 for seq in seqs]
-        ids = torch.tensor([seq.last_token for seq in seqs], device=self.device)  # (B,)
-        if self.model.kernels:  # the fast step (19)
-            return self._fast_step(ids, positions)
-        pos = torch.tensor(positions, device=self.device)[:, None]  # (B, 1)
-        h = self.model.hidden_states(ids[:, None], pos, self.cache, kv_len=max(positions) + 1)
-        return self.model.logits(h[:, -1])  # (B, V)
-
-    def _fast_step(self, ids, positions):
-        """fast_decode of ids (B,) on the device at `positions` (a list), from a CUDA graph on a
-        GPU unless enforce_eager. Ahead of time (async_scheduling), the positions go up from
-        pinned memory, which needs no sync with the GPU's queue."""
-        assert max(positions) < self.cache.length, "a decode step past the end of the cache"
-        pinned = self.device.type == "cuda" and self.async_scheduling
-        pos = torch.tensor(positions, pin_memory=pinned).to(self.device, non_blocking=pinned)
-        if not self._graphed():
-            return fast_decode(fuse_projections(self.model), ids, pos, self.cache)
-        if self.graphs is None or self.graphs.cache is not self.cache:
-            self.graphs = DecodeGraphs(self.model, self.cache)
-        return self.graphs(ids, pos)
-
-    def _graphed(self):
-        return self.device.type == "cuda" and not self.enforce_eager
-
-    def _reserve(self, rows, length):
-        """A cache of at least rows x length positions: the current one when it is big enough.
-        Where decode runs from graphs, rows are rounded up to the batch's graph bucket."""
-        if self._graphed():
-            rows = graph_bucket(rows)
-        cache = self.cache
-        if cache is None or cache.rows < rows or cache.length < length:
-            if cache is not None:
-                rows, length = max(rows, cache.rows), max(length, cache.length)
-            self.cache = None  # free the old cache before allocating the new one
-            self.cache = KVCache(self.model.cfg, rows, length, self.device, self.dtype)
-
     @staticmethod
-    def _logprobs_lists(seqs, tokens, logprobs):
+    def logprobs_lists(seqs, tokens, logprobs):
         """Per row, {id: logprob} of the sampled id and the row's top ones, or None."""
         if logprobs is None:
             return [None] * len(seqs)
@@ -3536,40 +4538,245 @@ class ModelRunner:
 
 
 class LLMEngine:
-    """Requests in, one step at a time, finished sequences out."""
+    """Requests in, one step at a time, outputs out: add_request, step, abort. Stage 08's server
+    drives these from its engine thread.
 
-    def __init__(self, model, eos_token_ids, max_batch_size, enforce_eager=False,
-                 async_scheduling=True):
-        self.runner = ModelRunner(model, enforce_eager, async_scheduling)
+    With async_scheduling, a step is launched before the previous step's tokens reach the host:
+    step() schedules and launches step n + 1, then reads step n's tokens, so that the host's
+    work (scheduling, the inputs, the outputs) runs while the GPU computes. A sequence's next
+    input is then read on the device from step n's tokens, and a sequence that step n ends by an
+    eos runs one step more, whose token nobody reads. Steps that need every token on the host
+    first (structured output's masks, penalties, speculative decoding) run one at a time."""
+
+    def __init__(self, runner, block_manager, *, eos_token_ids, max_model_len, max_num_seqs,
+                 max_num_batched_tokens, tokenizer=None, async_scheduling=True, speculative=None,
+                 debug=False):
+        self.runner, self.block_manager = runner, block_manager
+        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens,
+                                   eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_batch_size = max_batch_size
-        self.reset()
+        self.max_model_len, self.tokenizer = max_model_len, tokenizer
+        self.async_scheduling, self.debug = async_scheduling, debug
+        # speculative decoding: (proposer, tokens to propose, mean accepted below which a
+        # sequence stops proposing), or None
+        self.proposer, self.num_speculative, self.min_accepted = speculative or (None, 0, 0.0)
+        self.grammars = None  # the GrammarCache, built at the first structured request
+        self.requests = {}  # request_id -> Sequence, until it ends
+        self.in_flight = None  # the StepHandle launched and not read yet
+        self.last_batch = []  # [(sequence, its new tokens)] of the last step scheduled
+        self.counts = Counter()  # steps; sequences verified, draft tokens and accepted ones
+
+    def add_request(self, request_id, prompt, params=None):
+        """Queue a request: prompt a string (with a tokenizer) or a list of token ids; params a
+        SamplingParams (None: the defaults). Checked here: a bad request raises ValueError and
+        leaves the engine as it was."""
+        self.add_sequence(self.new_sequence(request_id, prompt, params))
+
+    def new_sequence(self, request_id, prompt, params=None):
+        """The request as a Sequence, every check done, not queued yet."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        ids = self._prompt_ids(request_id, prompt)
+        max_tokens = self._check_request(request_id, ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        return Sequence(request_id, ids, params, max_tokens, self._grammar(request_id, params),
+                        generator)
+
+    def add_sequence(self, seq):
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
 
     def reset(self):
-        """Drop every request (the cache stays allocated)."""
-        self.scheduler = Scheduler(self.max_batch_size, self.eos_token_ids)
-        self._next_id = 0
+        """Abort every request, and wait for the step in flight."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        if self.in_flight is not None:
+            self.in_flight.read()
+            self.in_flight = None
 
-    def add_request(self, prompt_token_ids, params, max_tokens, grammar=None):
-        seq = Sequence(self._next_id, prompt_token_ids, params, max_tokens, grammar)
-        self._next_id += 1
-        self.scheduler.add(seq)
-        return seq
+    def _prompt_ids(self, request_id, prompt):
+        """The prompt as a list of token ids, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {request_id!r} is text, but this LLM has no tokenizer: "
+                                 f"pass token ids, or LLM(..., tokenizer=...)")
+            prompt = self.tokenizer.encode(prompt)
+        elif not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+            raise ValueError(f"prompt {request_id!r} must be a string or a list of token ids")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {request_id!r} is empty: generation needs a token to continue")
+        vocab = self.runner.vocab_size
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"prompt {request_id!r} holds token id {outside[0]}, outside the "
+                             f"model's vocabulary [0, {vocab})")
+        return ids
+
+    def _check_request(self, i, ids, params):
+        """How many tokens prompt i may generate, checked against max_model_len and the KV pool;
+        its params checked against the vocabulary."""
+        n, limit = len(ids), self.max_model_len
+        if n > limit:
+            raise ValueError(f"prompt {i!r} is {n} tokens, longer than max_model_len {limit}")
+        if n == limit:
+            raise ValueError(f"prompt {i!r} is {n} tokens, all of max_model_len {limit}: no room "
+                             f"to generate")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"prompt {i!r}: {n} prompt tokens + max_tokens {params.max_tokens} = "
+                             f"{n + params.max_tokens}, beyond max_model_len {limit}")
+        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
+        blocks = self.block_manager
+        if triton.cdiv(n + max_tokens, blocks.block_size) > blocks.num_blocks:
+            raise ValueError(f"prompt {i!r}: {n} prompt tokens + {max_tokens} to generate need "
+                             f"more than the KV pool's {blocks.num_blocks} blocks of "
+                             f"{blocks.block_size} tokens: lower max_tokens or max_model_len")
+        vocab = self.runner.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"SamplingParams.stop_token_ids of prompt {i!r} holds {outside[0]}, "
+                             f"outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs of prompt {i!r} asks for {params.logprobs} "
+                             f"top logprobs, more than the vocabulary's {vocab} tokens")
+        return max_tokens
+
+    def _grammar(self, i, params):
+        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
+        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
+        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {i!r} asks for structured output, which needs a tokenizer "
+                             f"(each token's bytes): LLM(..., tokenizer=...)")
+        if self.grammars is None:
+            vocab = grammar_vocab(self.tokenizer, self.runner.vocab_size)
+            self.grammars = GrammarCache(vocab, self.eos_token_ids, self.runner.device)
+        masker = self.grammars.get(regex=params.regex, choice=params.choice,
+                                   json_schema=params.json_schema)
+        if masker.is_finished(masker.start):
+            raise ValueError(f"the structured output of prompt {i!r} allows only the empty text: "
+                             f"there is nothing to generate")
+        return masker
+
+    def abort(self, request_id):
+        """End a request wherever it is (waiting, being prefilled or decoding); its blocks are
+        freed at once. An unknown or finished id is ignored (it may have just finished)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self):
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    @property
+    def num_unfinished(self):
+        return len(self.requests)
 
     def step(self):
-        """One turn of the loop: schedule, run and sample, append. Returns the sequences it
-        finished."""
-        seqs, is_prefill = self.scheduler.schedule()
-        tokens, logprobs = self.runner.run(seqs, is_prefill)
-        return self.scheduler.postprocess(seqs, tokens, logprobs)
+        """One turn of the loop: schedule, launch, and read back (under async scheduling, the
+        previous step's tokens): returns a RequestOutput for every request that advanced."""
+        overlap = self.async_scheduling and not self._needs_tokens()
+        advanced = [] if overlap else self._read(self.in_flight)  # (no step in flight then)
+        batch = self.last_batch = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
+        if batch:
+            self.in_flight = self.runner.launch(batch, previous)
+            for seq in self.in_flight.seqs:
+                seq.num_pending += 1
+        advanced += self._read(previous) if overlap else self._read(self.in_flight)
+        if not overlap:
+            self.in_flight = None
+        if self.proposer is not None:
+            self._propose()
+        if self.debug:
+            self.check()
+        return [self.output(seq) for seq in advanced]
+
+    def _read(self, handle):
+        """Wait for a launched step's tokens and hand them to its sequences."""
+        if handle is None:
+            return []
+        tokens, logprobs = handle.read()  # a list of new tokens (and of logprobs) a sequence
+        self.counts["steps"] += 1
+        for seq, new in zip(handle.seqs, tokens):
+            if seq.draft_tokens:
+                self.counts["verified"] += 1
+                self.counts["drafted"] += len(seq.draft_tokens)
+                self.counts["accepted"] += len(new) - 1
+        advanced = self.scheduler.postprocess(handle.seqs, tokens, logprobs)
+        self.scheduler.register_computed(handle.spans)
+        for seq in advanced:
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+        return advanced
+
+    def _needs_tokens(self):
+        """Whether the next step needs the last step's tokens on the host before it starts."""
+        return self.proposer is not None or any(
+            seq.grammar is not None or seq.params.has_penalties
+            for seq in self.scheduler.running)  # (sequences that start wait anyway)
+
+    def _propose(self):
+        """Draft tokens for the next step of every decoding sequence that speculates: not under
+        structured output, penalties or logprobs (the verification samples without them), and
+        not while its mean accepted drafts a step is below min_accepted, where verifying costs
+        more than it saves (it proposes again every SPEC_PROBE_STEPS steps, to measure anew)."""
+        seqs, ks = [], []
+        for seq in self.scheduler.running:
+            if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None
+                    or seq.params.has_penalties or seq.params.logprobs is not None):
+                continue
+            if seq.mean_accepted < self.min_accepted:
+                seq.steps_unspeculated += 1
+                if seq.steps_unspeculated % SPEC_PROBE_STEPS:
+                    continue
+            k = min(self.num_speculative, seq.max_tokens - seq.num_output_tokens - 1)
+            if k >= 1 and self.block_manager.grow(seq.block_table, seq.num_tokens + k):
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            self.proposer.propose(seqs, ks)
+
+    @property
+    def stats(self):
+        """The engine's counters since it was built: steps, preemptions, the prefix cache's hit
+        rate (of prompt tokens looked up, those found cached), and speculative decoding's draft
+        tokens, accepted ones and mean accepted a verified sequence."""
+        counts = self.counts
+        return dict(steps=counts["steps"], preemptions=self.scheduler.num_preemptions,
+                    prefix_hit_rate=self.block_manager.prefix_hit_rate,
+                    draft_tokens=counts["drafted"], accepted_tokens=counts["accepted"],
+                    mean_accepted=counts["accepted"] / max(1, counts["verified"]))
+
+    def check(self):
+        """The invariants (debug mode, and the tests): every live sequence is in exactly one
+        queue with its status, and the block manager's counts match the block tables."""
+        queued = list(self.scheduler.waiting) + self.scheduler.running
+        assert len(queued) == len(set(map(id, queued))), "a sequence is in two queues"
+        assert all(s.status is SequenceStatus.WAITING for s in self.scheduler.waiting)
+        assert all(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
+        self.block_manager.check([seq.block_table for seq in queued])
+
+    def output(self, seq):
+        """The RequestOutput of a sequence as it stands."""
+        ids = seq.output_token_ids
+        text = None
+        if self.tokenizer is not None and seq.is_finished:  # the ending eos or stop id: no text
+            text_ids = ids if seq.stop_token_id is None else ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
+                             None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
 
 
 class LLM:
     """The entry point: LLM(model).generate(prompts, sampling_params), one RequestOutput per
-    prompt, in the prompts' order.
+    prompt, in the prompts' order; llm.engine is the LLMEngine, for requests one at a time.
 
     model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
     built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
@@ -3578,15 +4785,23 @@ class LLM:
     ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
     the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
     device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
-    limit: the model's max_position_embeddings). max_batch_size: sequences per batch.
-    enforce_eager: decode without CUDA graphs (vLLM's name), to compare or to debug.
-    async_scheduling: launch each decode step on the kernels before the previous step's tokens
-    reach the host (vLLM's name; on by default, as SGLang's overlap scheduler); the outputs are
-    the same, and turning it off shows what the overlap buys (bench_engine's "plain" rows).
+    limit: the model's max_position_embeddings).
+    The engine's knobs (vLLM's names): block_size, tokens a KV block holds; num_kv_blocks, the
+    pool's size, fixed (default: on a GPU what gpu_memory_utilization of its memory leaves after
+    the weights and a profiled step, on a CPU room for max_num_seqs sequences of max_model_len
+    tokens, at most 1 GiB); max_num_seqs and max_num_batched_tokens, the budgets of a step;
+    enable_prefix_caching; speculative: speculative decoding, {"method": "ngram"} (prompt lookup)
+    or {"method": "draft", "model": a smaller Qwen3, directory or Hub id}, with "num_tokens" k
+    (default 4) and "min_accepted" (see LLMEngine._propose); enforce_eager: no CUDA graphs;
+    async_scheduling: each step launched before the previous one's tokens reach the host (on by
+    default, as SGLang's overlap scheduler; the outputs are the same); debug: check the engine's
+    invariants after every step.
     """
 
     def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
-                 max_batch_size=16, enforce_eager=False, async_scheduling=True, data_dir=None):
+                 block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_seqs=256,
+                 max_num_batched_tokens=8192, enable_prefix_caching=True, speculative=None,
+                 enforce_eager=False, async_scheduling=True, debug=False, data_dir=None):
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
                             f"{type(tokenizer).__name__}")
@@ -3606,62 +4821,62 @@ class LLM:
         if tokenizer is not None:
             eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
         self.tokenizer = tokenizer
-        self.grammars = None  # the GrammarCache, built at the first structured request
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if max_model_len is None else max_model_len
         if not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len = {max_model_len!r} must be an int from 2 to the "
                              f"model's max_position_embeddings, {limit}")
-        if not _is_int(max_batch_size) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size = {max_batch_size!r} must be a positive int")
-        for name, value in (("enforce_eager", enforce_eager), ("async_scheduling", async_scheduling)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} = {value!r} must be True or False")
-        self.engine = LLMEngine(self.model, eos_token_ids, max_batch_size, enforce_eager,
-                                async_scheduling)
+        _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
+                     max_num_batched_tokens,
+                     dict(enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                          async_scheduling=async_scheduling, debug=debug))
+        draft = speculative.get("model") if isinstance(speculative, dict) else None
+        if isinstance(draft, (str, os.PathLike)):  # loaded before the pool is sized
+            speculative = dict(speculative)
+            draft = speculative["model"] = load_qwen3(
+                model_folder(draft, data_dir), _device_of(self.model),
+                self.model.model.embed_tokens.weight.dtype).use_kernels(self.model.kernels)
+        if num_kv_blocks is None:
+            num_kv_blocks = kv_blocks_for_memory(
+                [self.model] + ([draft] if isinstance(draft, Qwen3) else []), block_size,
+                self.max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization)
+        if speculative is not None:
+            speculative = make_proposer(speculative, self.model, num_kv_blocks, block_size,
+                                        self.max_model_len, enforce_eager)
+        runner = ModelRunner(self.model, num_kv_blocks, block_size, self.max_model_len,
+                             enforce_eager)
+        blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.engine = LLMEngine(runner, blocks, eos_token_ids=eos_token_ids,
+                                max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, tokenizer=tokenizer,
+                                async_scheduling=async_scheduling, speculative=speculative,
+                                debug=debug)
 
     def generate(self, prompts, sampling_params=None):
         """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
         of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
         defaults. Every prompt and its limits are checked before any work starts."""
-        prompts = self._prompt_ids(prompts)
+        prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        max_tokens = [self._check_request(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
-        grammars = [self._grammar(i, p) for i, p in enumerate(params)]
-        self.engine.reset()  # a fresh start, even after an interrupted call
-        seqs = [self.engine.add_request(*request)
-                for request in zip(prompts, params, max_tokens, grammars)]
-        while self.engine.has_unfinished():
-            self.engine.step()
-        return [self._output(seq) for seq in seqs]
+        engine = self.engine
+        engine.reset()  # a fresh start, even after an interrupted call
+        seqs = [engine.new_sequence(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.output(seq) for seq in seqs]
 
-    def _prompt_ids(self, prompts):
-        """The prompts as lists of token ids; one prompt (a string or a list of ids) is a batch of
-        one."""
+    @staticmethod
+    def _prompt_list(prompts):
+        """One prompt (a string or a list of ids) is a batch of one."""
         if isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(
                 _is_int(t) for t in prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a string or a list of token ids, or a non-empty "
                              "list of them")
-        vocab, batch = self.model.cfg.vocab_size, []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompt {i} is text, but this LLM has no tokenizer: pass "
-                                     f"token ids, or LLM(..., tokenizer=...)")
-                prompt = self.tokenizer.encode(prompt)
-            elif not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
-                raise ValueError(f"prompt {i} must be a string or a list of token ids")
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise ValueError(f"prompt {i} is empty: generation needs a token to continue")
-            outside = [t for t in ids if not 0 <= t < vocab]
-            if outside:
-                raise ValueError(f"prompt {i} holds token id {outside[0]}, outside the model's "
-                                 f"vocabulary [0, {vocab})")
-            batch.append(ids)
-        return batch
+        return prompts
 
     @staticmethod
     def _params_per_prompt(sampling_params, n):
@@ -3675,54 +4890,85 @@ class LLM:
             return list(sampling_params)
         raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
 
-    def _check_request(self, i, ids, params):
-        """How many tokens prompt i may generate, checked against max_model_len; its params checked
-        against the vocabulary."""
-        n, limit = len(ids), self.max_model_len
-        if n > limit:
-            raise ValueError(f"prompt {i} is {n} tokens, longer than max_model_len {limit}")
-        if n == limit:
-            raise ValueError(f"prompt {i} is {n} tokens, all of max_model_len {limit}: no room "
-                             f"to generate")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"prompt {i}: {n} prompt tokens + max_tokens {params.max_tokens} = "
-                             f"{n + params.max_tokens}, beyond max_model_len {limit}")
-        vocab = self.model.cfg.vocab_size
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"SamplingParams.stop_token_ids of prompt {i} holds {outside[0]}, "
-                             f"outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs of prompt {i} asks for {params.logprobs} "
-                             f"top logprobs, more than the vocabulary's {vocab} tokens")
-        return limit - n if params.max_tokens is None else params.max_tokens
 
-    def _grammar(self, i, params):
-        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
-        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
-        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
-            return None
-        if self.tokenizer is None:
-            raise ValueError(f"prompt {i} asks for structured output, which needs a tokenizer "
-                             f"(each token's bytes): LLM(..., tokenizer=...)")
-        if self.grammars is None:
-            vocab = grammar_vocab(self.tokenizer, self.model.cfg.vocab_size)
-            self.grammars = GrammarCache(vocab, self.engine.eos_token_ids, _device_of(self.model))
-        masker = self.grammars.get(regex=params.regex, choice=params.choice,
-                                   json_schema=params.json_schema)
-        if masker.is_finished(masker.start):
-            raise ValueError(f"the structured output of prompt {i} allows only the empty text: "
-                             f"there is nothing to generate")
-        return masker
+def _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
+                 max_num_batched_tokens, switches):
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} = {value!r} must be a positive int")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size = {block_size} must be a power of two (the attention "
+                         f"kernels split a position into block and offset with a shift)")
+    if num_kv_blocks is not None and (not _is_int(num_kv_blocks) or num_kv_blocks < 1):
+        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} must be a positive int or None")
+    if not _is_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r} must be in (0, 1]")
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} = {value!r} must be True or False")
 
-    def _output(self, seq):
-        ids = seq.output_token_ids
-        text = None
-        if self.tokenizer is not None:  # the ending eos or stop id is no part of the text
-            text_ids = ids if seq.stop_token_id is None else ids[:-1]
-            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return RequestOutput(list(seq.prompt_token_ids), list(ids), text, seq.finish_reason,
-                             seq.logprobs)
+
+def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+                         utilization):
+    """The pool's size in blocks, reported. On a GPU, vLLM's rule: of utilization x the GPU's
+    memory, what is left after what is in use now (the weights, the CUDA context, other
+    processes) and the peak of a profiled step of max_num_batched_tokens tokens. On a CPU,
+    room for max_num_seqs sequences of max_model_len tokens, at most 1 GiB. models: the target,
+    and a draft model whose cache shares the blocks."""
+    model, per_token = models[0], 0
+    for m in models:
+        cfg, dtype = m.cfg, m.model.embed_tokens.weight.dtype
+        per_token += 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    device = _device_of(model)
+    if device.type != "cuda":
+        tokens = min(max_num_seqs * max_model_len, max(max_model_len, 2**30 // per_token))
+        blocks = triton.cdiv(tokens, block_size)
+    else:
+        peak = profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = utilization * total - (total - free) - peak
+        blocks = int(budget // (per_token * block_size))
+        if blocks < triton.cdiv(max_model_len, block_size):
+            raise ValueError(f"gpu_memory_utilization {utilization} leaves room for {max(blocks, 0)} "
+                             f"KV blocks, fewer than one sequence of max_model_len "
+                             f"{max_model_len} needs: raise it, or lower max_model_len")
+    print(f"KV cache: {blocks:,} blocks of {block_size} tokens = {blocks * block_size:,} tokens, "
+          f"{blocks * block_size * per_token / 2**30:.2f} GiB")
+    return blocks
+
+
+@torch.inference_mode()
+def profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens):
+    """Bytes a step's activations take at their peak, beyond what is allocated now: a prefill of
+    max_num_batched_tokens tokens (one sequence) that samples max_num_seqs rows, over a cache of
+    just its own blocks (not counted)."""
+    fuse_projections(model)
+    cfg, device = model.cfg, _device_of(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    N = max_num_batched_tokens
+    blocks = triton.cdiv(N, block_size)
+    shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+    meta = AttentionMetadata(
+        slots=torch.arange(N, device=device), lengths=torch.tensor([N], device=device, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, N], device=device, dtype=torch.int32),
+        block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
+        max_q_len=N, max_len=blocks * block_size,
+        sample_rows=torch.arange(N - min(N, max_num_seqs), N, device=device))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    attention = triton_attention if model.kernels else torch_attention
+    logits = forward_packed(model, torch.zeros(N, dtype=torch.int64, device=device),
+                            torch.arange(N, device=device), kv, meta, attention)
+    Sampler()(logits, SamplingBatch([SamplingParams(temperature=1.0, top_p=0.9)] * logits.shape[0],
+                                    [[0]] * logits.shape[0], cfg.vocab_size, device))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del kv, logits
+    torch.cuda.empty_cache()
+    return peak
 
 
 def grammar_vocab(tokenizer, vocab_size):
@@ -3862,15 +5108,17 @@ def gpu_ops(fn):
 
 
 def kernels_per_step(model, batch):
-    """GPU ops of one decode step on the model's path (its kernels, unfused) and on fast_decode."""
+    """GPU ops of one decode step on the model's path (its kernels, unfused) and on forward_packed
+    (the fused kernels, paged attention)."""
     device = _device_of(model)
     cache = KVCache(model.cfg, batch, 64, device, model.model.embed_tokens.weight.dtype)
     ids = torch.zeros(batch, dtype=torch.int64, device=device)
     pos = torch.full((batch,), 8, device=device)
+    step = packed_stepper(model, batch, 64)
     with torch.inference_mode():
         plain = gpu_ops(lambda: model.logits(model.hidden_states(ids[:, None], pos[:, None], cache,
                                                                  kv_len=9)))
-        fast = gpu_ops(lambda: fast_decode(fuse_projections(model), ids, pos, cache))
+        fast = gpu_ops(lambda: step(ids, pos, torch.arange(batch, device=device)))
     return plain, fast
 
 
@@ -3891,7 +5139,9 @@ def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
     step: its graph replayed back to back (ms)."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens = {new_tokens}: a decode step's time needs at least 2")
-    llm = LLM(model, max_batch_size=batch, async_scheduling=async_scheduling)
+    length = prompt_len + new_tokens
+    llm = LLM(model, max_model_len=length, max_num_seqs=batch, async_scheduling=async_scheduling,
+              num_kv_blocks=batch * triton.cdiv(length, 16))
     prompts = random_prompts(model.cfg.vocab_size, [prompt_len] * batch, seed=batch)
 
     def seconds(n):
@@ -3899,11 +5149,8 @@ def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
         return _timed(lambda: llm.generate(prompts, params))
 
     total, first = seconds(new_tokens), seconds(1)
-    device = _device_of(model)
-    ids = torch.zeros(batch, dtype=torch.int64, device=device)
-    positions = torch.full((batch,), prompt_len + new_tokens // 2, device=device)
-    replay_ms = _ms(lambda: llm.engine.runner.graphs(ids, positions))
-    return batch * new_tokens / total, (total - first) / (new_tokens - 1), replay_ms
+    graph = llm.engine.runner.graphs.graphs[graph_bucket(batch)][0]  # its last step's inputs
+    return batch * new_tokens / total, (total - first) / (new_tokens - 1), _ms(graph.replay)
 
 
 def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implementation):
@@ -3949,7 +5196,7 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
         model = random_model(cfg, device, torch.bfloat16)
         plain, fast = kernels_per_step(model, 1)
         print(f"\n{name} shape, bf16, random weights ({model.num_params() / 1e9:.2f}B parameters): "
-              f"{plain} GPU ops a decode step on the model's path, {fast} on fast_decode")
+              f"{plain} GPU ops a decode step on the model's path, {fast} on forward_packed")
         print(f"  {'batch':>5} {'engine':>6} | {'tok/s':>7} {'GB/s':>6} {'of copy':>7} {'step':>7} "
               f"{'GPU':>7} | transformers {'default':>8} {'static+compile':>14} | {'x best':>6}")
         context = prompt_len + new_tokens // 2  # the average row length over the run
@@ -3978,6 +5225,156 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
                       f"{ours['of_copy'] * copy_gbs:>6,.0f} {ours['of_copy']:>7.0%} "
                       f"{ours['step_us']:>5,.0f}us {ours['gpu_us']:>5,.0f}us | {'':>12} {theirs} | "
                       f"{ours['tok_s'] / best:>5.1f}x", flush=True)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapters 24, 25, 31 and 33: the bench (offline throughput, prefix caching, the GPU's idle time)
+# ----------------------------------------------------------------------------------------------
+# nano-vllm's benchmark workload: 256 requests whose prompt and output lengths are uniform in
+# 100..1,024 tokens, sampled at temperature 0.6 without stopping at eos, on Qwen3-0.6B's shape.
+# Most of its time is decode steps of a couple of hundred sequences, which read, per step, the
+# weights once (1.2 GB) and every sequence's keys and values (112 KiB a token: ~25 GB at 256
+# sequences of ~900 tokens): the paged decode kernel decides it.
+
+def throughput_workload(vocab_size, n=256, low=100, high=1024, seed=0, shared=0.0):
+    """[(prompt ids, output length)]: prompt and output lengths uniform in low..high. shared: the
+    fraction of each prompt that is a prefix common to all (0: none)."""
+    rng = random.Random(seed)
+    common = [rng.randrange(vocab_size) for _ in range(high)]
+    requests = []
+    for _ in range(n):
+        length, out = rng.randint(low, high), rng.randint(low, high)
+        k = int(length * shared)
+        requests.append((common[:k] + [rng.randrange(vocab_size) for _ in range(length - k)], out))
+    return requests
+
+
+def run_workload(llm, requests, temperature=0.6):
+    """Generate the requests (ignore_eos, each its own length); returns (seconds, output tokens,
+    prompt tokens)."""
+    params = [SamplingParams(temperature=temperature, max_tokens=out, ignore_eos=True, seed=i)
+              for i, (_, out) in enumerate(requests)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate([prompt for prompt, _ in requests], params)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert all(len(o.token_ids) == out for o, (_, out) in zip(outputs, requests))
+    return seconds, sum(out for _, out in requests), sum(len(p) for p, _ in requests)
+
+
+def gpu_idle_fraction(llm, batch=128, prompt_len=256, new_tokens=64):
+    """The fraction of the wall time the GPU runs no kernel, over the decode steps of `batch`
+    sequences (torch.profiler's kernel intervals, merged)."""
+    requests = [(p, new_tokens) for p in
+                random_prompts(llm.model.cfg.vocab_size, [prompt_len] * batch, seed=1)]
+    run_workload(llm, requests)  # warm-up: graphs, autotuning
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        seconds, _, _ = run_workload(llm, requests)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, -math.inf
+    for lo, hi in spans:
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    return 1.0 - busy / 1e6 / seconds
+
+
+def transformers_throughput(cfg, device, requests, temperature=0.6):
+    """The workload through transformers' own continuous batching (its paged attention over
+    SDPA), random bf16 weights of cfg's shape: (seconds, output tokens)."""
+    import transformers  # the bench's baseline only
+    with torch.device(device):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config.from_dict(cfg.to_hf()))
+        finally:
+            torch.set_default_dtype(torch.float32)
+    hf.eval().set_attn_implementation("paged|sdpa")
+    config = transformers.GenerationConfig(do_sample=True, temperature=temperature, top_k=0,
+                                           top_p=1.0, max_new_tokens=max(o for _, o in requests),
+                                           eos_token_id=None, pad_token_id=0)
+    manager = hf.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i, (prompt, out) in enumerate(requests):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out)
+        done, tokens = 0, 0
+        while done < len(requests):
+            result = manager.get_result(timeout=60)
+            if result is None:
+                raise RuntimeError("transformers' continuous batching stalled for 60 s")
+            if result.is_finished():
+                done += 1
+                tokens += len(result.generated_tokens)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, tokens
+    finally:
+        manager.stop(block=True)
+
+
+def bench_throughput(device, n=256, low=100, high=1024, with_transformers=True):
+    """Offline throughput on the workload above (Qwen3-0.6B shape, random bf16 weights): output
+    and total tokens/s of the engine, against transformers' continuous batching in the same run;
+    the same workload with half of each prompt shared, prefix caching on and off; and the GPU's
+    idle fraction over decode steps with async scheduling on and off. Returns the figures, or
+    None without a GPU."""
+    if device.type != "cuda":
+        print("throughput bench: needs a CUDA GPU; skipped")
+        return None
+    cfg = BENCH_MODELS["Qwen3-0.6B"]
+    model = random_model(cfg, device, torch.bfloat16)
+    requests = throughput_workload(cfg.vocab_size, n, low, high)
+    results, length = {}, 2 * high
+    print(f"\noffline throughput: Qwen3-0.6B shape, bf16, random weights; {n} requests, prompt "
+          f"and output lengths uniform in {low}..{high:,}, temperature 0.6, ignore_eos")
+    llm = LLM(model, max_model_len=length)
+    warm_up = throughput_workload(cfg.vocab_size, n, 8, 256, seed=1)  # every graph, every tile
+    run_workload(llm, warm_up)
+    print(f"  {'':<34} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12}")
+    for name, reqs, caching in (("engine", requests, True),
+                                ("half of each prompt shared", throughput_workload(
+                                    cfg.vocab_size, n, low, high, shared=0.5), True),
+                                ("  the same, prefix caching off", None, False)):
+        if not caching:
+            del llm
+            torch.cuda.empty_cache()
+            llm = LLM(model, max_model_len=length, enable_prefix_caching=False)
+            run_workload(llm, warm_up)
+            reqs = results["half of each prompt shared"]["requests"]
+        llm.engine.block_manager.reset_stats()
+        seconds, out, prompt = run_workload(llm, reqs)
+        results[name] = dict(requests=reqs, seconds=seconds, output_tok_s=out / seconds,
+                             total_tok_s=(out + prompt) / seconds,
+                             prefix_hit_rate=llm.engine.block_manager.prefix_hit_rate)
+        print(f"  {name:<34} {seconds:>8.2f} {out / seconds:>13,.0f} "
+              f"{(out + prompt) / seconds:>12,.0f}   prefix hits "
+              f"{llm.engine.block_manager.prefix_hit_rate:.0%}", flush=True)
+    shared_on, shared_off = results["half of each prompt shared"], results["  the same, prefix caching off"]
+    print(f"  prefix caching: {shared_off['seconds'] / shared_on['seconds']:.2f}x faster on the "
+          f"shared-prefix workload")
+    for mode in (True, False):
+        del llm
+        torch.cuda.empty_cache()
+        llm = LLM(model, max_model_len=length, async_scheduling=mode)
+        idle = gpu_idle_fraction(llm)
+        results[f"idle_async_{mode}"] = idle
+        print(f"  GPU idle over decode steps of 128 sequences, async scheduling "
+              f"{'on ' if mode else 'off'}: {idle:.1%}")
+    del llm
+    torch.cuda.empty_cache()
+    if with_transformers:
+        try:
+            seconds, out = transformers_throughput(cfg, device, requests)
+            results["transformers"] = out / seconds
+            print(f"  transformers' continuous batching (paged|sdpa): {out / seconds:,.0f} output "
+                  f"tok/s ({seconds:.0f} s); the engine: "
+                  f"{results['engine']['output_tok_s'] / (out / seconds):.1f}x")
+        except Exception as e:  # a baseline that breaks must not hide the engine's figures
+            print(f"  transformers' continuous batching failed: {type(e).__name__}: {e}")
     return results
 
 
@@ -4096,8 +5493,9 @@ def check_against_recompute(llm, prompts, max_tokens):
 
 def check_kernels(model, prompts, steps=2):
     """The model on the Triton kernels (RMSNorm, SwiGLU, the flash prefill, decode attention),
-    and fast_decode's fused step, against the torch twins: the logits of the prompts as one
-    right-padded batch, then of `steps` decode steps over the KV cache, each row at its own
+    and forward_packed on the fused kernels and the paged attention kernels, against the torch
+    twins: the logits of the prompts (the model's path: one right-padded batch; forward_packed:
+    packed side by side), then of `steps` decode steps over the KV cache, each row at its own
     position. Prints and returns the two relative errors."""
     device, dtype = _device_of(model), model.model.embed_tokens.weight.dtype
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
@@ -4106,24 +5504,65 @@ def check_kernels(model, prompts, steps=2):
     was_on = model.kernels
     logits = []
     with torch.inference_mode():
-        for on, fast in ((False, False), (True, False), (True, True)):
+        for on, packed in ((False, False), (True, False), (False, True), (True, True)):
             model.use_kernels(on)
+            if packed:
+                logits.append(packed_logits(model, prompts, steps).float())
+                continue
             cache = KVCache(model.cfg, len(prompts), T + steps, device, dtype)
             out = [model.logits(model.hidden_states(ids, cache=cache)).flatten(0, 1)]  # (B * T, V)
             for i in range(steps):  # each row's first token again, at the row's next position
-                if fast:
-                    out.append(fast_decode(fuse_projections(model), ids[:, 0], lengths + i, cache))
-                    continue
                 h = model.hidden_states(ids[:, :1], (lengths + i)[:, None], cache, kv_len=T + i + 1)
                 out.append(model.logits(h[:, 0]))  # (B, V)
             logits.append(torch.cat(out).float())
     model.use_kernels(was_on)
-    reference = logits[0]
-    errors = [((ours - reference).norm() / reference.norm()).item() for ours in logits[1:]]
+    errors = [((logits[1] - logits[0]).norm() / logits[0].norm()).item(),
+              ((logits[3] - logits[2]).norm() / logits[2].norm()).item()]
     where = "Triton's interpreter" if INTERPRET else torch.cuda.get_device_name(device)
     print(f"logits on the Triton kernels ({where}) vs the torch path: rel err {errors[0]:.1e} (a "
-          f"prefill and {steps} decode steps); with fast_decode's fused steps: {errors[1]:.1e}")
+          f"prefill and {steps} decode steps); forward_packed on the fused and paged kernels vs "
+          f"its torch twin: {errors[1]:.1e}")
     return errors
+
+
+def packed_logits(model, prompts, steps, block_size=16):
+    """forward_packed's logits (tokens, V) of every prompt token, the prompts packed in one step,
+    then of `steps` decode steps, each row's first token again at its next position."""
+    device, B = _device_of(model), len(prompts)
+    step = packed_stepper(model, B, max(map(len, prompts)) + steps, block_size)
+    rows = torch.cat([torch.full((len(p),), b, device=device) for b, p in enumerate(prompts)])
+    positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
+    out = [step(torch.tensor(sum(prompts, []), device=device), positions, rows)]
+    first = torch.tensor([p[0] for p in prompts], device=device)
+    for i in range(steps):
+        lengths = torch.tensor([len(p) + i for p in prompts], device=device)
+        out.append(step(first, lengths, torch.arange(B, device=device)))
+    return torch.cat(out)
+
+
+def packed_stepper(model, batch, length, block_size=16):
+    """step(ids, positions, rows) -> logits of every token: forward_packed over a paged cache of
+    `batch` sequences of up to `length` tokens, rows[i] the sequence of token i, whose blocks
+    are handed out in reverse (so that no sequence's blocks are in order)."""
+    device, dtype, cfg = _device_of(model), model.model.embed_tokens.weight.dtype, model.cfg
+    width = triton.cdiv(length, block_size)
+    shape = (cfg.num_hidden_layers, batch * width, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+    tables = torch.arange(batch * width, device=device, dtype=torch.int32).flip(0).view(batch, width)
+    attention = triton_attention if model.kernels else torch_attention
+    fuse_projections(model)
+
+    def step(ids, positions, rows):
+        counts = torch.bincount(rows, minlength=batch)  # (B,) new tokens of each sequence
+        meta = AttentionMetadata(
+            slots=tables[rows, positions // block_size].long() * block_size + positions % block_size,
+            cu_seqlens_q=F.pad(counts.cumsum(0), (1, 0)).int(),
+            lengths=torch.zeros(batch, dtype=torch.int64, device=device).scatter_reduce(
+                0, rows, positions + 1, "amax").int(),
+            block_tables=tables, max_q_len=int(counts.max()), max_len=width * block_size,
+            sample_rows=torch.arange(len(ids), device=device))
+        return forward_packed(model, ids, positions, kv, meta, attention)
+    return step
 
 
 def show_generations(llm, prompts, args):
@@ -4198,12 +5637,47 @@ def _valid(kind, spec, text):
     return isinstance(value, dict) and set(spec["required"]) <= set(value) <= set(spec["properties"])
 
 
+def show_continuous_batching(llm, seed, n=6):
+    """n requests of mixed lengths through a small engine over llm's model (4 sequences and 24
+    tokens a step, a pool of few blocks), driven one step at a time, printing each step's batch:
+    per request, its letter and the tokens it ran (a prefill chunk, or 1 for a decode), and the
+    preemptions so far. Their greedy outputs against each request alone; returns whether equal."""
+    rng = random.Random(seed)
+    vocab = llm.model.cfg.vocab_size
+    requests = [([rng.randrange(vocab) for _ in range(rng.randint(4, 40))], rng.randint(2, 12))
+                for _ in range(n)]
+    small = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=64, block_size=4,
+                num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=24, debug=True)
+    engine = small.engine
+    for i, (prompt, max_tokens) in enumerate(requests):
+        engine.add_request("ABCDEFGHIJ"[i], prompt,
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    print(f"\ncontinuous batching: {n} requests (prompt+max_tokens: "
+          f"{', '.join(f'{len(p)}+{m}' for p, m in requests)}), at most 4 sequences and 24 tokens "
+          f"a step, {engine.block_manager.num_blocks} KV blocks of 4 tokens")
+    outputs, lines = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        ran = " ".join(f"{seq.request_id}{n}" for seq, n in engine.last_batch)
+        lines.append(f"{ran:<24} waiting {len(engine.scheduler.waiting)}, preempted "
+                     f"{engine.scheduler.num_preemptions}")
+    for step, line in enumerate(lines):
+        print(f"  step {step:>2}: {line}")
+    alone = [small.generate([prompt], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0]
+             for prompt, m in requests]
+    same = all(outputs["ABCDEFGHIJ"[i]].token_ids == a.token_ids for i, a in enumerate(alone))
+    print(f"  their greedy outputs: {'identical to' if same else 'DIFFERENT from'} each request "
+          f"alone; every block free at the end: {engine.block_manager.num_free_blocks == 16}")
+    return same
+
+
 def measure_throughput(llm, batch_size, max_tokens, seed):
-    """Tokens a second of the v1 engine: batch_size prompts of 16 tokens, max_tokens each."""
+    """Tokens a second of the engine: batch_size prompts of 16 tokens, max_tokens each."""
     device = _device_of(llm.model)
     prompts = random_prompts(llm.model.cfg.vocab_size, [16] * batch_size, seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2))  # warm-up: kernels, cache
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2))  # warm-up: kernels, graphs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -4211,7 +5685,7 @@ def measure_throughput(llm, batch_size, max_tokens, seed):
     sync()
     elapsed = time.perf_counter() - start
     tokens = sum(len(out.token_ids) for out in outputs)
-    print(f"\nengine v1 on {device}: {tokens / elapsed:,.0f} tokens/s ({batch_size} sequences x "
+    print(f"\nengine on {device}: {tokens / elapsed:,.0f} tokens/s ({batch_size} sequences x "
           f"{max_tokens} tokens in {elapsed:.2f} s, prefill included)")
 
 
@@ -4262,7 +5736,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens", type=positive_int, default=16,
                         help="tokens to generate per prompt (default: 16)")
     parser.add_argument("--batch-size", type=positive_int, default=8,
-                        help="sequences in the throughput run, and the engine's max batch size")
+                        help="sequences in the throughput run, and the engine's max_num_seqs")
     parser.add_argument("--temperature", type=non_negative_float, default=0.8,
                         help="of the sampled generations (default: 0.8)")
     parser.add_argument("--top-k", type=non_negative_int, default=0,
@@ -4320,12 +5794,13 @@ def main(argv=None):
         bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
         bench_decode_attention(torch.device(args.device))
         bench_engine(torch.device(args.device))
+        bench_throughput(torch.device(args.device))
         return
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
         source = args.model or random_checkpoint(demo_tokenizer(tmp, args.data_dir), args.seed)
         llm = LLM(source, device=device, dtype=MODEL_DTYPES.get(args.dtype),
-                  max_batch_size=args.batch_size, data_dir=args.data_dir)
+                  max_num_seqs=args.batch_size, data_dir=args.data_dir)
     describe(llm, args.model)
     torch.manual_seed(args.seed)
     prompts = demo_prompts(llm, args)
@@ -4337,6 +5812,7 @@ def main(argv=None):
               "the built-in tiny model)")
     show_generations(llm, prompts, args)
     show_structured(llm, prompts[0], args)
+    show_continuous_batching(llm, args.seed)
     measure_throughput(llm, args.batch_size, args.max_tokens, args.seed)
 
 

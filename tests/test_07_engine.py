@@ -89,7 +89,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(q7, hf_dir):
-    return q7.LLM(hf_dir[1], device="cpu", max_model_len=40, max_batch_size=4)
+    return q7.LLM(hf_dir[1], device="cpu", max_model_len=40, max_num_seqs=4)
 
 
 def random_ids(n, vocab=131, seed=0):
@@ -1078,24 +1078,31 @@ def test_model_on_the_kernels_matches_its_torch_path(q7, hf_dir):
 
 @torch.no_grad()
 def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
-    """With async_scheduling each decode step is launched before the tokens of the step before
-    it are read, fed with them on the device: the same tokens and logprobs as the plain loop,
-    for greedy, seeded and stop-id rows that end at different steps, one of them at the very
-    end of the cache while another goes on; and no step is computed twice."""
+    """With async_scheduling each step is launched before the tokens of the step before it are
+    read, fed with them on the device: the same tokens and logprobs as the plain loop, for
+    greedy, seeded and stop-id rows that end at different steps, one of them at max_model_len
+    while another goes on."""
     model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32).use_kernels(True)
     prompts = [random_ids(10, seed=11), random_ids(5, seed=12), random_ids(7, seed=13)]
     params = [q7.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
               q7.SamplingParams(temperature=1.0, seed=5, max_tokens=13, ignore_eos=True,
                                 logprobs=0),
               q7.SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)]
-    plain = q7.LLM(model, max_batch_size=3, async_scheduling=False)
+    plain = q7.LLM(model, max_num_seqs=3, async_scheduling=False)
     stop = plain.generate(prompts, params)[2].token_ids[3]  # row 2 stops at its fourth token or before
     params[2] = q7.SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[stop])
     expected = plain.generate(prompts, params)
-    overlapped = q7.LLM(model, max_batch_size=3, async_scheduling=True)
-    monkeypatch.setattr(overlapped.engine.runner, "_decode",
-                        lambda seqs: pytest.fail("a step computed again, not launched ahead"))
+    overlapped = q7.LLM(model, max_num_seqs=3, async_scheduling=True)
+    launch = overlapped.engine.runner.launch
+    previous = []  # how many launches read their ids from the step before
+
+    def counted(batch, before=None):
+        previous.append(before is not None)
+        return launch(batch, before)
+
+    monkeypatch.setattr(overlapped.engine.runner, "launch", counted)
     outputs = overlapped.generate(prompts, params)
+    assert sum(previous) >= 10  # decode steps fed on the device
     assert [len(o.token_ids) for o in expected][:2] == [8, 13]  # 10 + 8 = 5 + 13: the cache's end
     assert expected[2].finish_reason == "stop" and len(expected[2].token_ids) <= 4
     for ours, theirs in zip(outputs, expected):
@@ -1310,27 +1317,34 @@ def qk_norm_rope_float64(qkv, positions, inv_freq, q_w, k_w, eps, Hq, Hkv, D):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_qk_norm_rope_kernel(q7, dtype, tol):
-    """Queries returned, keys and values written into a strided cache layer at each row's
-    position (rows past the batch and other positions untouched), against float64."""
-    B, Hq, Hkv, D, eps = 3, 4, 2, 32, 0.05
-    qkv = gen64(B, (Hq + 2 * Hkv) * D, seed=4) * 2
+    """Queries returned, keys and values written into a paged cache layer at each token's slot
+    (every other slot untouched), against float64; the torch twin too."""
+    N, Hq, Hkv, D, eps = 3, 4, 2, 32, 0.05
+    qkv = gen64(N, (Hq + 2 * Hkv) * D, seed=4) * 2
     q_w, k_w = gen64(D, seed=5) + 1, gen64(D, seed=6) + 1
-    positions = torch.tensor([0, 17, 5])
+    positions, slots = torch.tensor([0, 17, 5]), torch.tensor([9, 2, 30])
     inv_freq = 1.0 / 500.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
-    cache = torch.zeros(2, 4, Hkv, 20, D, device=DEVICE, dtype=dtype)  # (k|v, rows, Hkv, length, D)
-    q = q7.qk_norm_rope(qkv.to(DEVICE, dtype), positions.to(DEVICE), inv_freq.to(DEVICE),
-                        q_w.to(DEVICE, dtype), k_w.to(DEVICE, dtype), eps, cache[0], cache[1])
     eq, ek, ev = qk_norm_rope_float64(qkv.to(dtype), positions, inv_freq, q_w.to(dtype),
                                       k_w.to(dtype), eps, Hq, Hkv, D)
-    assert q.shape == (B, Hq, D) and q.dtype == dtype
-    assert ((q.cpu().double() - eq).norm() / eq.norm()).item() < tol
-    rows = torch.arange(B)
-    k, v = cache[0][rows, :, positions].cpu(), cache[1][rows, :, positions].cpu()  # (B, Hkv, D)
-    assert ((k.double() - ek).norm() / ek.norm()).item() < tol
-    assert torch.equal(v.double(), ev)
-    written = torch.zeros(4, 20, dtype=torch.bool)
-    written[rows, positions] = True
-    assert cache.cpu().permute(1, 3, 0, 2, 4)[~written].abs().max() == 0  # nothing else written
+    attn = argparse.Namespace(q_norm=q7.RMSNorm(D, eps), k_norm=q7.RMSNorm(D, eps))
+    attn.q_norm.weight.data, attn.k_norm.weight.data = q_w.to(dtype), k_w.to(dtype)
+    for kernel in (True, False):
+        device = DEVICE if kernel else "cpu"
+        cache = torch.zeros(2, 4, 8, Hkv, D, device=device, dtype=dtype)  # (k|v, blocks, 8, Hkv, D)
+        args = qkv.to(device, dtype), positions.to(device), slots.to(device)
+        if kernel:
+            q = q7.qk_norm_rope(*args, inv_freq.to(device), q_w.to(device, dtype),
+                                k_w.to(device, dtype), eps, cache[0], cache[1])
+        else:
+            q = q7.qk_norm_rope_torch(*args, attn, inv_freq, cache[0], cache[1])
+        assert q.shape == (N, Hq, D) and q.dtype == dtype
+        assert ((q.cpu().double() - eq).norm() / eq.norm()).item() < tol
+        k, v = (c.cpu().view(-1, Hkv, D)[slots] for c in cache)  # (N, Hkv, D)
+        assert ((k.double() - ek).norm() / ek.norm()).item() < tol
+        assert torch.equal(v.double(), ev)
+        written = torch.zeros(32, dtype=torch.bool)
+        written[slots] = True
+        assert cache.cpu().view(2, 32, -1)[:, ~written].abs().max() == 0  # nothing else written
 
 
 def test_swiglu_halves_kernel(q7):
@@ -1385,13 +1399,12 @@ def test_fused_kernels_refuse_bad_inputs(q7):
         q7.add_rms_norm(ones(2, 4), ones(2, 5), ones(4), 1e-6)
     with pytest.raises(TypeError, match="residual has dtype torch.float16"):
         q7.add_rms_norm(ones(2, 4), ones(2, 4, dtype=torch.float16), ones(4), 1e-6)
-    cache = ones(2, 2, 8, 32)
-    with pytest.raises(ValueError, match=r"qkv \(2, 100\) and positions \(2,\) do not fit"):
-        q7.qk_norm_rope(ones(2, 100), ones(2, dtype=torch.int64), ones(16), ones(32), ones(32),
-                        1e-6, cache, cache)
-    with pytest.raises(ValueError, match="rows for the batch"):
-        q7.qk_norm_rope(ones(3, 256), ones(3, dtype=torch.int64), ones(16), ones(32), ones(32),
-                        1e-6, cache, cache)
+    cache, index = ones(2, 8, 2, 32), ones(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"qkv \(2, 100\), positions \(2,\) and slots \(2,\) do not fit"):
+        q7.qk_norm_rope(ones(2, 100), index, index, ones(16), ones(32), ones(32), 1e-6, cache, cache)
+    with pytest.raises(ValueError, match=r"one \(blocks, block_size, Hkv, D\) shape"):
+        q7.qk_norm_rope(ones(2, 256), index, index, ones(16), ones(32), ones(32), 1e-6, cache,
+                        ones(2, 8, 32))
     with pytest.raises(ValueError, match=r"gate_up must be \(rows, 2n\)"):
         q7.swiglu_halves(ones(2, 5))
     with pytest.raises(ValueError, match=r"matvec: x \(5, 8\) and weight \(3, 8\) do not fit"):
@@ -1430,36 +1443,30 @@ def test_fuse_projections_keeps_the_parameters(q7, hf_dir):
     assert torch.equal(attn.qkv_weight[:128], before["model.layers.1.self_attn.q_proj.weight"] + 1)
 
 
-@pytest.mark.parametrize("rows, mixed", [(1, False), (1, True), (2, False)])
+@pytest.mark.parametrize("rows, mixed", [(1, False), (1, True), (3, False)])
 @torch.no_grad()
-def test_fast_decode_matches_the_model_path(q7, hf_dir, monkeypatch, rows, mixed):
-    """fast_decode on the kernels (interpreter) against the model's torch path: a prefill into two
-    caches (ragged with 2 rows), then five one-token steps at each row's own position, in a cache
-    longer than the rows (attention bounded by the cache's length, each row by its own); logits
-    within 1e-4, and the caches alike. One row takes matvec's fused projections, two take
-    add_rms_norm, swiglu_halves and torch's matmuls; mixed: one row with the projections of the
+def test_forward_packed_matches_the_model_path(q7, hf_dir, monkeypatch, rows, mixed):
+    """forward_packed on the kernels (interpreter: the fused kernels and the paged prefill and
+    decode kernels) and on its torch twin, against the model's own path without a cache:
+    prompts of 12, 5 and 9 tokens packed side by side in one step over a paged cache of blocks
+    of 4 (handed out in reverse), then three decode steps, each row's first token again at its
+    next position; logits within 1e-4. One row decodes on matvec; mixed: the projections of the
     48-wide stream on matvec and o_proj and down_proj (128 and 80 columns) on torch's, as a
-    model wider than _on_matvec's limit has some of each."""
+    model wider than _on_matvec's limit has some of each; three rows on add_rms_norm,
+    swiglu_halves and torch's matmuls."""
     if mixed:
         monkeypatch.setattr(q7, "_on_matvec", lambda x, w: x.shape[0] == 1 and w.shape[1] <= 64)
     model = q7.load_qwen3(hf_dir[1], device=DEVICE, dtype=torch.float32)
-    ids = torch.tensor([random_ids(12, seed=8), random_ids(12, seed=9)][:rows], device=DEVICE)
-    caches = [q7.KVCache(model.cfg, rows=rows, length=24, device=DEVICE, dtype=torch.float32)
-              for _ in range(2)]
-    for cache in caches:
-        model.use_kernels(False).hidden_states(ids[:, :7], cache=cache)  # row 1: 4 tokens, padding
-    q7.fuse_projections(model.use_kernels(True))
-    pos = torch.tensor([7, 4][:rows], device=DEVICE)
-    for _ in range(5):
-        step = ids[torch.arange(rows), pos]  # (rows,)
-        fast = q7.fast_decode(model, step, pos, caches[1])
-        model.use_kernels(False)
-        expected = model(step[:, None], pos[:, None], caches[0], kv_len=int(pos.max()) + 1)[:, 0]
-        model.use_kernels(True)
-        assert (fast - expected).abs().max().item() < 1e-4
-        pos += 1
-    for name in ("k", "v"):
-        assert (getattr(caches[0], name) - getattr(caches[1], name)).abs().max().item() < 1e-5
+    prompts = [random_ids(12, seed=8), random_ids(5, seed=9), random_ids(9, seed=10)][:rows]
+    full = model.use_kernels(False)
+    expected = [full(torch.tensor([p], device=DEVICE))[0] for p in prompts]  # (T, V) each
+    for i in range(3):
+        expected += [full(torch.tensor([p + [p[0]] * (i + 1)], device=DEVICE))[:, -1]
+                     for p in prompts]
+    expected = torch.cat(expected)
+    for kernels in (False, True):
+        got = q7.packed_logits(model.use_kernels(kernels), prompts, steps=3, block_size=4)
+        assert (got - expected).abs().max().item() < 1e-4
 
 
 def test_graph_buckets(q7):
@@ -1479,10 +1486,10 @@ def hf_greedy(hf, prompt, max_new_tokens):
 
 @torch.no_grad()
 def test_greedy_tokens_equal_transformers_generate(q7, hf_dir):
-    """Four prompts through two static batches (max_batch_size 2) against transformers' greedy
+    """Four prompts, at most two running at once (max_num_seqs 2), against transformers' greedy
     generate, one prompt at a time."""
     hf, folder = hf_dir
-    llm = q7.LLM(folder, device="cpu", max_model_len=40, max_batch_size=2)
+    llm = q7.LLM(folder, device="cpu", max_model_len=40, max_num_seqs=2)
     prompts = [*PROMPTS, random_ids(1, seed=4)]
     outputs = llm.generate(prompts, q7.SamplingParams(temperature=0, max_tokens=12))
     for prompt, out in zip(prompts, outputs):
@@ -2286,7 +2293,7 @@ def test_structured_generation_is_always_valid(q7, chat_llm, qwen_hf):
     params = [P(seed=seed, max_tokens=120, ignore_eos=seed == 3, **{kind: spec})
               for kind, spec, seed in cases] + [P(seed=1, max_tokens=12)] * 2
     outputs = chat_llm.generate(["The answer:"] * len(params), params)
-    assert chat_llm.grammars.trie.V == 1280  # masks as wide as the model's rows
+    assert chat_llm.engine.grammars.trie.V == 1280  # masks as wide as the model's rows
     eos, ended_by_eos = chat_llm.engine.eos_token_ids, 0
     for (kind, spec, seed), out in zip(cases, outputs):
         assert out.finish_reason == "stop" and is_valid(kind, spec, out.text), (kind, spec, out)
@@ -2299,7 +2306,7 @@ def test_structured_generation_is_always_valid(q7, chat_llm, qwen_hf):
 
 
 def test_a_constraint_with_nothing_to_generate_is_an_error(q7, chat_llm, monkeypatch):
-    monkeypatch.setattr(chat_llm.engine.runner, "run", lambda *a: pytest.fail("the engine ran"))
+    monkeypatch.setattr(chat_llm.engine.runner, "launch", lambda *a: pytest.fail("the engine ran"))
     with pytest.raises(ValueError, match="allows only the empty text: there is nothing to"):
         chat_llm.generate(["x", "y"], [q7.SamplingParams(), q7.SamplingParams(choice=[""])])
 
@@ -2364,7 +2371,7 @@ def test_bad_generate_calls_fail_before_any_work(q7, llm, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("the engine ran before the bad input was reported")
 
-    monkeypatch.setattr(llm.engine.runner, "run", no_work)
+    monkeypatch.setattr(llm.engine.runner, "launch", no_work)
     for prompts, params, error, message in bad_generate_calls(q7):
         with pytest.raises(error, match=message):
             llm.generate(prompts, params)
@@ -2375,8 +2382,8 @@ def test_bad_llm_arguments(q7, hf_dir):
     with pytest.raises(ValueError, match="max_model_len = 65 must be an int from 2 to the model's "
                                          "max_position_embeddings, 64"):
         q7.LLM(model, max_model_len=65)
-    with pytest.raises(ValueError, match="max_batch_size = 0 must be a positive int"):
-        q7.LLM(model, max_batch_size=0)
+    with pytest.raises(ValueError, match="max_num_seqs = 0 must be a positive int"):
+        q7.LLM(model, max_num_seqs=0)
     with pytest.raises(ValueError, match="a built Qwen3 is used as it is"):
         q7.LLM(model, device="cpu")
     with pytest.raises(TypeError, match="model must be a directory, a Hub id or a Qwen3"):
@@ -2408,7 +2415,7 @@ def test_main_on_a_tiny_random_model(q7, capsys):
         assert "(Triton kernels not checked: that needs a GPU" in out
     else:
         err = re.search(r"Triton kernels \(Triton's interpreter\) vs the torch path: rel err (\S+) "
-                        r".*with fast_decode's fused steps: (\S+)", out)
+                        r".*paged kernels vs its torch twin: (\S+)", out)
         assert err and float(err[1]) < 1e-5 and float(err[2]) < 1e-5, out
     assert "greedy, 3 prompts in one batch (identical to one by one)" in out
     assert "the first drawn alone: identical" in out
@@ -2417,7 +2424,13 @@ def test_main_on_a_tiny_random_model(q7, capsys):
     structured = re.findall(r"^  (choice|regex|json_schema) .*\n    -> .* \(stop, \d+ tokens; valid\)$",
                             out, re.MULTILINE)
     assert structured == ["choice", "regex", "json_schema"], out
-    speed = re.search(r"engine v1 on cpu: ([\d,]+) tokens/s \(3 sequences x 5 tokens", out)
+    steps = re.findall(r"^  step +\d+: ((?:[A-F]\d+ )+) +waiting (\d), preempted (\d)$", out,
+                       re.MULTILINE)
+    assert len(steps) > 6 and all(sum(int(n) for n in re.findall(r"\d+", ran)) <= 24 and
+                                  len(ran.split()) <= 4 for ran, _, _ in steps), out
+    assert "their greedy outputs: identical to each request alone; every block free at the end: " \
+           "True" in out
+    speed = re.search(r"engine on cpu: ([\d,]+) tokens/s \(3 sequences x 5 tokens", out)
     assert speed and int(speed[1].replace(",", "")) > 0, out
 
 
@@ -2538,6 +2551,1064 @@ def test_the_script_reports_a_bad_model_in_one_line(tmp_path):
     assert lines[0].startswith(f"error: {tmp_path / 'config.json'}: not a readable JSON config")
 
 
+# --------------------------------------- the engine: continuous batching, paged cache, speculation
+
+def hf_greedy_all(hf, prompts, max_tokens):
+    """transformers' greedy continuation of each prompt alone: the reference of every engine test
+    below (the engine's batching, chunking, caching, preemption and speculation must not show)."""
+    return [hf_greedy(hf, prompt, m) for prompt, m in zip(prompts, max_tokens)]
+
+
+def mixed_requests(n, seed, vocab=131, shared=12, max_len=40):
+    """n prompts of mixed lengths (1 to 24 tokens), half of them starting with one shared
+    12-token prefix, and max_tokens that keep each within max_len."""
+    rng = random.Random(seed)
+    common = [rng.randrange(vocab) for _ in range(shared)]
+    prompts, max_tokens = [], []
+    for i in range(n):
+        length = rng.randint(1, 24)
+        head = common[:min(length, shared)] if i % 2 else []
+        prompts.append(head + [rng.randrange(vocab) for _ in range(length - len(head))])
+        max_tokens.append(rng.randint(1, max_len - length))
+    return prompts, max_tokens
+
+
+def assert_all_free(engine):
+    """Nothing left: no request, every block back in the pool with no reference."""
+    assert not engine.has_unfinished() and engine.num_unfinished == 0
+    blocks = engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert all(count == 0 for count in blocks.ref_counts)
+    engine.check()
+
+
+ENGINE_SETTINGS = {  # name -> LLM keywords: each forces another path of the scheduler
+    "roomy": dict(),
+    "plain loop": dict(async_scheduling=False),
+    "chunked prefill": dict(max_num_batched_tokens=7, max_num_seqs=5),
+    "preemption": dict(num_kv_blocks=14, block_size=4, max_num_seqs=6),
+    "everything at once": dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=9,
+                               max_num_seqs=4),
+    "no prefix caching": dict(num_kv_blocks=14, block_size=4, enable_prefix_caching=False),
+    "n-gram speculation": dict(speculative={"method": "ngram", "num_tokens": 3}),
+    "n-gram under pressure": dict(speculative={"method": "ngram", "num_tokens": 3, "max_n": 2},
+                                  num_kv_blocks=14, block_size=4, max_num_batched_tokens=9),
+}
+
+
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+@torch.no_grad()
+def test_engine_outputs_equal_one_request_at_a_time(q7, hf_dir, setting):
+    """16 greedy requests of mixed lengths, half with a shared prefix, through the engine under
+    each setting: every output equals transformers' greedy continuation of its prompt alone;
+    the debug checks hold after every step, and at the end every block is free. The settings
+    force chunked prefills, preemption (a pool of 14 blocks of 4 tokens for 16 sequences of up
+    to 40), prefix hits and speculation."""
+    hf, folder = hf_dir
+    prompts, max_tokens = mixed_requests(16, seed=5)
+    llm = q7.LLM(folder, device="cpu", max_model_len=40, debug=True, **ENGINE_SETTINGS[setting])
+    params = [q7.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == hf_greedy_all(hf, prompts, max_tokens)
+    assert all(o.finish_reason == "length" for o in outputs)
+    stats = llm.engine.stats
+    if "preemption" in setting or setting == "everything at once":
+        assert stats["preemptions"] > 0
+    if "speculation" in setting:
+        assert stats["draft_tokens"] > 0
+    if setting == "no prefix caching":
+        assert stats["prefix_hit_rate"] == 0
+    elif setting == "preemption":  # a preempted sequence finds its own blocks again
+        assert stats["prefix_hit_rate"] > 0
+    assert_all_free(llm.engine)
+
+
+def test_the_scheduler_keeps_its_budgets(q7, hf_dir):
+    """Every step's tokens within max_num_batched_tokens and its sequences within max_num_seqs,
+    decodes never starved by a long prompt (each running sequence advances every step), and a
+    long prompt cut into chunks."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    llm = q7.LLM(model, max_model_len=40, max_num_batched_tokens=6, max_num_seqs=3, debug=True)
+    engine = llm.engine
+    prompts, max_tokens = mixed_requests(8, seed=6)
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(i, prompt, q7.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    chunks = 0
+    while engine.has_unfinished():
+        engine.step()
+        batch = engine.last_batch
+        assert sum(n for _, n in batch) <= 6 and len(batch) <= 3
+        decoding = [seq for seq, n in batch if n == 1 and seq.num_computed_tokens > seq.num_prompt_tokens]
+        chunks += sum(1 for seq, n in batch if seq.num_computed_tokens < seq.num_prompt_tokens)
+        running = [s for s in engine.scheduler.running if s.num_computed_tokens > s.num_prompt_tokens]
+        assert len(decoding) >= min(len(running), 6) - 1  # (the step's newest may not be in it)
+    assert chunks > 0
+    assert_all_free(engine)
+
+
+def test_preempted_sequences_resume_with_the_same_sample(q7, hf_dir):
+    """Seeded sampling under preemption and chunking: each request's tokens equal those it draws
+    alone in a roomy engine (its own random stream, whatever the batch or the recomputation)."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    prompts, max_tokens = mixed_requests(10, seed=7)
+    params = [q7.SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=m, ignore_eos=True)
+              for i, m in enumerate(max_tokens)]
+    tight = q7.LLM(model, max_model_len=40, num_kv_blocks=12, block_size=4,
+                   max_num_batched_tokens=8, debug=True)
+    outputs = tight.generate(prompts, params)
+    assert tight.engine.stats["preemptions"] > 0
+    roomy = q7.LLM(model, max_model_len=40)
+    for prompt, p, out in zip(prompts, params, outputs):
+        assert roomy.generate([prompt], p)[0].token_ids == out.token_ids
+    assert_all_free(tight.engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_abort_anywhere_frees_everything(q7, hf_dir, async_scheduling):
+    """Abort a waiting request, one in the middle of its chunked prefill and one decoding: each
+    ends with finish_reason "abort" and no further output, the others finish as they would
+    alone, and afterwards every block is free."""
+    hf, folder = hf_dir
+    model = q7.load_qwen3(folder, device="cpu")
+    llm = q7.LLM(model, max_model_len=40, max_num_batched_tokens=8, max_num_seqs=2, debug=True,
+                 async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompts = [random_ids(5, seed=20), random_ids(20, seed=21), random_ids(6, seed=22),
+               random_ids(4, seed=23)]
+    greedy = q7.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for name, prompt in zip("abcd", prompts):
+        engine.add_request(name, prompt, greedy)
+    engine.step()  # a prefilled (5 tokens), b started (3 of 20)
+    seqs = {seq.request_id: seq for seq in engine.scheduler.running + list(engine.scheduler.waiting)}
+    assert 0 < seqs["b"].num_computed_tokens < 20 and seqs["c"].status.value == "waiting"
+    engine.abort("b")  # prefilling
+    engine.abort("c")  # waiting
+    outputs = {}
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.request_id] = out
+    engine.abort("a")  # decoding
+    engine.abort("zz")  # unknown: ignored
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert "b" not in outputs and "c" not in outputs
+    assert seqs["a"].finish_reason == "abort" and len(seqs["a"].output_token_ids) < 12
+    assert outputs["d"].token_ids == hf_greedy(hf_dir[0], prompts[3], 12)
+    assert outputs["d"].finished and outputs["d"].request_id == "d"
+    assert_all_free(engine)
+
+
+def test_step_reports_each_request_as_it_advances(q7, hf_dir):
+    """step() returns a RequestOutput per request that advanced: token ids so far, then a finish
+    reason at the last; a bad request is refused with nothing queued, and an id in use too."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    engine = q7.LLM(model, max_model_len=40).engine
+    engine.add_request("x", PROMPTS[0], q7.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match="request id 'x' is already in use"):
+        engine.add_request("x", PROMPTS[1])
+    with pytest.raises(ValueError, match="prompt 'y' holds token id 131"):
+        engine.add_request("y", [131])
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        engine.add_request("y", [1], {"temperature": 0})
+    assert engine.num_unfinished == 1
+    seen = []
+    while engine.has_unfinished():
+        seen += [(o.request_id, list(o.token_ids), o.finish_reason) for o in engine.step()]
+    assert [len(t) for _, t, _ in seen] == [1, 2, 3, 4]
+    assert [r for _, _, r in seen] == [None, None, None, "length"]
+    assert all(seen[i][1] == seen[-1][1][:i + 1] for i in range(4))
+
+
+def test_a_request_larger_than_the_pool_is_refused(q7, hf_dir):
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    llm = q7.LLM(model, max_model_len=40, num_kv_blocks=3, block_size=4)
+    with pytest.raises(ValueError, match="need more than the KV pool's 3 blocks of 4 tokens"):
+        llm.generate([[1] * 10], q7.SamplingParams(max_tokens=5))
+    assert len(llm.generate([[1] * 6], q7.SamplingParams(max_tokens=6))[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(block_size=12), ValueError, "block_size = 12 must be a power of two"),
+    (dict(block_size=0), ValueError, "block_size = 0 must be a positive int"),
+    (dict(num_kv_blocks=0), ValueError, "num_kv_blocks = 0 must be a positive int or None"),
+    (dict(gpu_memory_utilization=1.5), ValueError, r"gpu_memory_utilization = 1.5 must be in \(0, 1\]"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs = 0 must be a positive int"),
+    (dict(max_num_batched_tokens=2.5), ValueError, "max_num_batched_tokens = 2.5 must be a positive int"),
+    (dict(enable_prefix_caching="yes"), ValueError, "enable_prefix_caching = 'yes' must be True or False"),
+    (dict(speculative="ngram"), TypeError, "speculative must be a dict"),
+    (dict(speculative={"method": "medusa"}), ValueError, "method = 'medusa' must be 'ngram' or 'draft'"),
+    (dict(speculative={"method": "ngram", "k": 3}), ValueError, r"unknown keys \['k'\]"),
+    (dict(speculative={"method": "ngram", "num_tokens": 0}), ValueError, "num_tokens = 0 must be an int from 1 to 16"),
+    (dict(speculative={"method": "draft"}), ValueError, "'draft' needs a model"),
+])
+def test_bad_engine_knobs(q7, hf_dir, kwargs, error, message):
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    with pytest.raises(error, match=message):
+        q7.LLM(model, max_model_len=40, **kwargs)
+
+
+def test_the_cpu_pool_default_and_report(q7, hf_dir, capsys):
+    """Without num_kv_blocks a CPU engine's pool holds max_num_seqs sequences of max_model_len
+    tokens, and says so."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    llm = q7.LLM(model, max_model_len=40, max_num_seqs=5, block_size=8)
+    assert llm.engine.block_manager.num_blocks == 25  # 5 x 40 tokens / 8
+    assert "KV cache: 25 blocks of 8 tokens = 200 tokens" in capsys.readouterr().out
+
+
+def test_prefix_caching_reuses_a_shared_prompt(q7, hf_dir):
+    """A second request sharing 3 full blocks with a finished first one computes only the rest:
+    its hit rate is 3 blocks of its prompt, and its output is still the model's."""
+    hf, folder = hf_dir
+    model = q7.load_qwen3(folder, device="cpu")
+    llm = q7.LLM(model, max_model_len=40, block_size=4)
+    first, second = random_ids(14, seed=30), random_ids(14, seed=30)[:12] + random_ids(5, seed=31)
+    greedy = q7.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([first], greedy)
+    blocks = llm.engine.block_manager
+    blocks.reset_stats()
+    out = llm.generate([second], greedy)[0]
+    assert blocks.prefix_hit_rate == 12 / 17
+    assert out.token_ids == hf_greedy(hf, second, 3)
+    blocks.reset_stats()
+    llm.generate([first[:12]], greedy)  # whole prompt cached: its last block is recomputed
+    assert blocks.prefix_hit_rate == 8 / 12
+
+
+def test_speculation_follows_its_acceptance(q7, hf_dir):
+    """n-gram speculation on a prompt whose greedy continuation repeats itself (this tiny model
+    writes one token 34 times after it: lookup finds the run) accepts most of what it proposes;
+    on a prompt whose continuation does not repeat, a sequence stops proposing once its mean
+    acceptance falls below min_accepted, and only probes every SPEC_PROBE_STEPS steps."""
+    hf, folder = hf_dir
+    model = q7.load_qwen3(folder, device="cpu")
+    spec = q7.LLM(model, max_model_len=64, speculative={"method": "ngram", "num_tokens": 4})
+    repeats = random_ids(4, seed=49)
+    out = spec.generate([repeats], q7.SamplingParams(temperature=0, max_tokens=34, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(hf, repeats, 34)
+    stats = spec.engine.stats
+    assert stats["accepted_tokens"] >= 0.8 * stats["draft_tokens"] > 15
+    assert stats["steps"] < 20  # 34 tokens in fewer steps
+    never = q7.LLM(model, max_model_len=64,
+                   speculative={"method": "ngram", "num_tokens": 4, "min_accepted": 10})
+    never.generate([random_ids(5, seed=41)], q7.SamplingParams(temperature=0, max_tokens=40,
+                                                              ignore_eos=True))
+    # min_accepted 10 > k: after its first verification it only probes: 1 + 39 // 16 at most
+    assert never.engine.stats["steps"] - 1 >= 36 and never.engine.counts["verified"] <= 3
+
+
+@torch.no_grad()
+def test_draft_model_speculation(q7, hf_dir):
+    """The target itself as the draft: every draft accepted, greedy and sampled (q = p), so each
+    step verifies k + 1 tokens; greedy output equals the target's own; a different draft
+    model (random weights) gets few accepted, and the output is still the target's."""
+    hf, folder = hf_dir
+    model = q7.load_qwen3(folder, device="cpu")
+    prompts, max_tokens = mixed_requests(6, seed=8)
+    params = [q7.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    same = q7.LLM(model, max_model_len=40, debug=True,
+                  speculative={"method": "draft", "model": model, "num_tokens": 3})
+    expected = hf_greedy_all(hf, prompts, max_tokens)
+    assert [o.token_ids for o in same.generate(prompts, params)] == expected
+    stats = same.engine.stats
+    assert stats["accepted_tokens"] == stats["draft_tokens"] > 0
+    sampled = [q7.SamplingParams(temperature=0.8, seed=i, max_tokens=m, ignore_eos=True)
+               for i, m in enumerate(max_tokens)]
+    same.generate(prompts, sampled)
+    assert same.engine.stats["accepted_tokens"] == same.engine.stats["draft_tokens"]
+    other = q7.Qwen3(model.cfg).eval()  # random weights: another model of the same vocabulary
+    llm = q7.LLM(model, max_model_len=40, debug=True,
+                 speculative={"method": "draft", "model": other, "num_tokens": 3, "min_accepted": 0})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.stats["accepted_tokens"] < llm.engine.stats["draft_tokens"]
+    assert_all_free(llm.engine)
+
+
+# --------------------------------------------- speculative decoding: proposals, rejection sampling
+
+def ngram_reference(ids, k, max_n, min_n):
+    """Prompt lookup by its definition: each n from the longest; the most recent earlier start
+    that k tokens follow, else the earliest start; compared as lists."""
+    for n in range(max_n, min_n - 1, -1):
+        starts = [s for s in range(len(ids) - n) if ids[s:s + n] == ids[len(ids) - n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= len(ids)]
+            start = full[-1] if full else starts[0]
+            return ids[start + n:start + n + k]
+    return []
+
+
+def test_ngram_propose_matches_its_definition(q7):
+    """3,000 random short sequences over 2 to 4 symbols (many repeats, many partial matches),
+    random k, max_n and min_n, as lists and as arrays."""
+    rng = random.Random(0)
+    for case in range(3000):
+        ids = [rng.randrange(rng.randint(2, 4)) for _ in range(rng.randint(0, 30))]
+        k, max_n = rng.randint(1, 5), rng.randint(1, 5)
+        min_n = rng.randint(1, max_n)
+        given = ids if case % 2 else np.array(ids, dtype=np.int32)
+        assert q7.ngram_propose(given, k, max_n, min_n) == ngram_reference(ids, k, max_n, min_n), \
+            (ids, k, max_n, min_n)
+
+
+def test_ngram_propose_by_hand(q7):
+    propose = q7.ngram_propose
+    assert propose([1, 2, 3], 3) == [] and propose([], 3) == [] and propose([7], 3) == []
+    assert propose([1, 2, 3, 4, 5, 1], 2) == [2, 3]  # truncated by k
+    assert propose([1, 2, 1], 5) == [2, 1]  # truncated by the end of the sequence
+    assert propose([1, 2, 9, 3, 2, 8, 1, 2], 1) == [9]  # the 2-gram [1, 2] beats the later [2]
+    assert propose([1, 2, 9, 3, 2, 8, 1, 2], 1, max_n=1) == [8]
+    assert propose([1, 5, 1, 6, 1], 1) == [6]  # the most recent occurrence
+    assert propose([1, 5, 1, 6, 1], 3) == [5, 1, 6]  # ... that k tokens follow
+    assert propose([1, 2, 9, 3, 2, 8, 5, 2], 2, min_n=2) == []  # [5, 2] never occurred before
+    assert propose([4, 4, 4, 4], 3) == [4]  # the suffix itself is no match; [4, 4, 4] at 0 is
+    assert propose([4] * 9, 3) == [4, 4, 4]  # a run: an earlier occurrence that 3 tokens follow
+
+
+def target_and_draft(T, V, seed):
+    """A context-free target P (T, V) (position t's distribution, whatever came before) and a
+    draft Q (T, V), each with one token of probability 0 that the other allows."""
+    g = torch.Generator().manual_seed(seed)
+    zero = torch.randint(0, V, (T, 1), generator=g)
+    P = (torch.rand(T, V, generator=g, dtype=torch.float64) + 0.2).scatter(1, zero, 0.0)
+    Q = (torch.rand(T, V, generator=g, dtype=torch.float64) + 0.2).scatter(1, (zero + 1) % V, 0.0)
+    return (P / P.sum(1, keepdim=True)).float(), (Q / Q.sum(1, keepdim=True)).float()
+
+
+def speculate(q7, P, Q, n, total, K, draft_probs=True, told=None):
+    """Generate `total` tokens for each of n rows with speculative steps against the context-free
+    target P: each step a row proposes a random number (0..K) of tokens drawn from Q, and the
+    tokens it emits are checked for their layout. rejection_sample is told Q (or `told`, when
+    the test feigns a bug), or nothing with draft_probs=False: the point-mass form."""
+    out = torch.full((n, total + K + 1), -1)
+    length = torch.zeros(n, dtype=torch.long)
+    while (length < total).any():
+        rows = (length < total).nonzero()[:, 0]
+        m, pos = len(rows), length[rows, None] + torch.arange(K + 1)  # (m, K+1)
+        drafts = torch.multinomial(Q[pos[:, :K]].flatten(0, 1), 1).view(m, K)
+        num_draft = torch.randint(0, K + 1, (m,))
+        probs = (Q if told is None else told)[pos[:, :K]] if draft_probs else None
+        tokens, accepted = q7.rejection_sample(P[pos], drafts, num_draft, probs)
+        kept = torch.arange(K) < accepted[:, None]  # (m, K): the accepted drafts
+        assert (accepted <= num_draft).all() and torch.equal(tokens[:, :K][kept], drafts[kept])
+        assert torch.equal(tokens >= 0, torch.arange(K + 1) <= accepted[:, None])  # then -1s
+        out[rows[:, None], pos] = tokens
+        length[rows] += accepted + 1
+    return out[:, :total]
+
+
+def joint_chi_square(tokens, P):
+    """The chi-square of the rows' tokens (n, T) against T independent tokens with marginals
+    P[:T], over the cells of positive probability, and the value it exceeds with probability
+    1e-4; a count in a cell of probability 0 fails the test."""
+    n, T = tokens.shape
+    V = P.shape[1]
+    cell = functools.reduce(lambda c, t: c * V + t, tokens.unbind(1))  # (n,) first token highest
+    counts = torch.bincount(cell, minlength=V ** T).double()
+    expected = n * functools.reduce(lambda a, b: torch.outer(a, b).flatten(), P[:T].double())
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a token the target rules out"
+    chi2 = ((counts - expected)[support] ** 2 / expected[support]).sum().item()
+    return chi2, chi_square_limit(int(support.sum()) - 1)
+
+
+@pytest.mark.parametrize("draft_probs", [True, False])
+def test_speculative_tokens_follow_the_target(q7, draft_probs):
+    """The key property: 200,000 rows generate 3 tokens each by speculative steps (K = 2, each
+    step proposing 0, 1 or 2 tokens), and the joint of the 3 tokens (64 cells) must be the
+    target's, independent tokens with marginals P[0], P[1], P[2], whatever the draft: tokens
+    drawn from another distribution Q, with Q given, or in the point-mass form without (exact
+    for any draft tokens; a uniform draft would hide a residual that keeps the draft token)."""
+    P, Q = target_and_draft(6, 5, seed=3)
+    torch.manual_seed(0)
+    chi2, limit = joint_chi_square(speculate(q7, P, Q, 200_000, 3, 2, draft_probs), P)
+    assert chi2 < limit, (chi2, limit)
+
+
+def test_speculative_statistics_catch_a_wrong_draft_distribution(q7):
+    """The test above can fail: drafts drawn from Q while rejection_sample is told they came from
+    the uniform distribution (accepting with min(1, 5 p(x)) and drawing the residual from
+    p - 1/5) bias the tokens, and the chi-square sees it at once."""
+    P, Q = target_and_draft(6, 5, seed=3)
+    torch.manual_seed(0)
+    tokens = speculate(q7, P, Q, 200_000, 3, 2, told=torch.full_like(Q, 0.2))
+    chi2, limit = joint_chi_square(tokens, P)
+    assert chi2 > 10 * limit, (chi2, limit)
+
+
+def test_speculative_acceptance_rates(q7):
+    """A draft equal to the target has every token accepted. Otherwise a token is accepted with
+    probability sum_x min(p(x), q(x)), or sum_x q(x) p(x) in the point-mass form; with a
+    context-free target the two steps are independent, so both are accepted with the product.
+    Within 5 standard errors of 200,000 rows."""
+    K, n = 2, 200_000
+    P, Q = target_and_draft(K + 1, 6, seed=4)
+    torch.manual_seed(1)
+    num_draft = torch.randint(0, K + 1, (1000,))
+    drafts = torch.multinomial(P[:K].repeat(1000, 1), 1).view(1000, K)
+    _, accepted = q7.rejection_sample(P.expand(1000, -1, -1), drafts, num_draft,
+                                      P[:K].expand(1000, -1, -1))
+    assert torch.equal(accepted, num_draft)
+    drafts = torch.multinomial(Q[:K].repeat(n, 1), 1).view(n, K)
+    num_draft = torch.full((n,), K)
+    for probs, a in [(Q[:K].expand(n, -1, -1), torch.minimum(P[:K], Q[:K]).sum(1)),
+                     (None, (P[:K] * Q[:K]).sum(1))]:
+        _, accepted = q7.rejection_sample(P.expand(n, -1, -1), drafts, num_draft, probs)
+        for got, rate in [((accepted >= 1).double().mean(), a[0]),
+                          ((accepted == 2).double().mean(), a[0] * a[1])]:
+            assert abs(got - rate) < 5 * math.sqrt(rate * (1 - rate) / n), (got, rate)
+
+
+def greedy_reference(P, drafts, num_draft):
+    """Greedy decoding with a draft, one row and one position at a time: accept while the draft
+    token is the argmax, then the argmax; -1 after."""
+    B, K1, _ = P.shape
+    rows = []
+    for b in range(B):
+        n = 0
+        while n < num_draft[b] and drafts[b, n] == P[b, n].argmax():
+            n += 1
+        rows.append(drafts[b, :n].tolist() + [int(P[b, n].argmax())] + [-1] * (K1 - 1 - n))
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("draft_probs", [True, False])
+def test_speculative_greedy_rows_equal_greedy_decoding(q7, draft_probs):
+    """Greedy rows (all of a batch, then half of one, the others sampled) give the argmax chain
+    exactly, with drafts that are the argmax three times in four and ragged num_draft."""
+    B, K, V = 300, 4, 7
+    g = torch.Generator().manual_seed(5)
+    P = (torch.randn(B, K + 1, V, generator=g) * 2).softmax(-1)
+    guess = torch.randint(0, V, (B, K), generator=g)
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.75, P[:, :K].argmax(-1), guess)
+    num_draft = torch.randint(0, K + 1, (B,), generator=g)
+    probs = torch.rand(B, K, V, generator=g).softmax(-1) if draft_probs else None
+    expected = greedy_reference(P, drafts, num_draft)
+    for greedy in (torch.ones(B, dtype=torch.bool), torch.rand(B, generator=g) < 0.5):
+        tokens, accepted = q7.rejection_sample(P, drafts, num_draft, probs, greedy=greedy)
+        assert torch.equal(tokens[greedy], expected[greedy])
+        assert torch.equal(accepted[greedy], (expected[greedy] >= 0).sum(1) - 1)
+    assert 0.2 < (accepted[greedy] > 0).double().mean() < 0.9  # both outcomes are exercised
+
+
+def test_speculative_rows_without_drafts(q7):
+    """Targets sure of each token: a num_draft = 0 row (and every row when K = 0) draws its one
+    token from position 0, whatever the padding of its draft holds (even ids outside the
+    vocabulary); a row with the target's own drafts keeps all and adds the bonus token; a row
+    with a wrong second draft keeps the first and takes the target's token there."""
+    V = 9
+    sure = torch.tensor([[2, 0, 0, 0], [5, 1, 7, 4], [5, 4, 7, 0]])  # (3, 4): the target's tokens
+    P = torch.zeros(3, 4, V).scatter(-1, sure[..., None], 1.0)  # (3, 4, V)
+    drafts = torch.tensor([[-1, 10**9, 4], [5, 1, 7], [5, 3, 7]])
+    num_draft = torch.tensor([0, 3, 2])
+    for probs in (None, torch.full((3, 3, V), 1 / V)):
+        tokens, accepted = q7.rejection_sample(P, drafts, num_draft, probs)
+        assert tokens.tolist() == [[2, -1, -1, -1], [5, 1, 7, 4], [5, 4, -1, -1]]
+        assert accepted.tolist() == [0, 3, 1]
+    tokens, accepted = q7.rejection_sample(P[:, :1], drafts[:, :0], torch.zeros_like(num_draft))
+    assert tokens.tolist() == [[2], [5], [5]] and accepted.tolist() == [0] * 3
+
+
+def test_speculative_residual_of_zero_falls_back_to_the_target(q7):
+    """A draft distribution above the target everywhere (q = 2p, as rounding could leave a tiny
+    excess) rejects half the time with a residual (p - q)+ of 0: the token then comes from p,
+    never from an arbitrary argmax over zeros (token 0) or a NaN."""
+    P = torch.zeros(1000, 2, 6).index_fill(-1, torch.tensor([3]), 1.0)  # (1000, 2, 6), all on 3
+    torch.manual_seed(2)
+    tokens, accepted = q7.rejection_sample(P, torch.full((1000, 1), 3),
+                                           torch.ones(1000, dtype=torch.long), 2 * P[:, :1])
+    assert 300 < int((accepted == 0).sum()) < 700
+    assert (tokens[accepted == 0, 0] == 3).all() and (tokens[accepted == 1, :2] == 3).all()
+
+
+def test_speculative_seeded_rows_repeat_in_any_batch(q7):
+    """A seeded row gets the same tokens alone, or at another index among other rows (seeded or
+    not) after another global seed; other seeds give other tokens."""
+    B, K, V = 6, 4, 50
+    g = torch.Generator().manual_seed(6)
+    P = (torch.randn(B, K + 1, V, generator=g) * 0.5).softmax(-1)
+    Q = (torch.randn(B, K, V, generator=g) * 0.5).softmax(-1)
+    drafts = torch.multinomial(Q.flatten(0, 1), 1, generator=g).view(B, K)
+    num_draft = torch.tensor([4, 3, 0, 4, 2, 4])
+
+    def run(rows, seeds, global_seed):
+        torch.manual_seed(global_seed)
+        generators = {i: torch.Generator().manual_seed(s)
+                      for i, s in enumerate(seeds) if s is not None}
+        tokens, _ = q7.rejection_sample(P[rows], drafts[rows], num_draft[rows], Q[rows],
+                                        generators=generators)
+        return tokens.tolist()
+
+    for seed in range(8):
+        alone = run([0], [seed], 0)[0]
+        assert run([3, 1, 0, 5], [None, 11, seed, None], 1)[2] == alone
+        assert run([0, 0], [None, seed], 2)[1] == alone
+    assert len({tuple(run([0], [seed], 0)[0]) for seed in range(8)}) > 1
+    assert len({tuple(run([0], [None], seed)[0]) for seed in range(8)}) > 1
+
+
+# ------------------------------------------------------------------------------- the block manager
+class ReferenceBlocks:
+    """The block manager's rules kept the plain way, as the tests' reference: a cached block is
+    named by the tuple of every token up to its end (no hashing), the evictable blocks are a
+    list, oldest first, and the free blocks a set."""
+
+    def __init__(self, num_blocks, block_size):
+        self.block_size, self.counts = block_size, [0] * num_blocks
+        self.free, self.lru, self.named = set(range(num_blocks)), [], {}  # named: prefix -> block
+        self.hits = self.queries = 0
+
+    def prefix(self, token_ids):
+        """The named blocks that begin token_ids, stopping short of its last token."""
+        blocks = []
+        for end in range(self.block_size, len(token_ids), self.block_size):
+            if tuple(token_ids[:end]) not in self.named:
+                break
+            blocks.append(self.named[tuple(token_ids[:end])])
+        return blocks
+
+    def take(self, block):
+        if self.counts[block] == 0:
+            self.lru.remove(block)
+        self.counts[block] += 1
+
+    def fresh(self, needed):
+        """The blocks grow must hand out, in order where it is determined: the free set (any
+        order) and then the oldest evictable blocks, whose names are dropped."""
+        from_free = min(needed, len(self.free))
+        evicted, self.lru = self.lru[:needed - from_free], self.lru[needed - from_free:]
+        self.named = {p: b for p, b in self.named.items() if b not in evicted}
+        return from_free, evicted
+
+    def release(self, table):
+        for block in reversed(table):
+            self.counts[block] -= 1
+            if self.counts[block] == 0 and block in self.named.values():
+                self.lru.append(block)
+            elif self.counts[block] == 0:
+                self.free.add(block)
+
+
+def grow_and_compare(m, ref, table, num_tokens):
+    """m.grow against the reference: success exactly when enough blocks are free or evictable,
+    the new blocks from the free list first, then the least recently freed cached ones."""
+    before, needed = list(table), max(0, -(-num_tokens // m.block_size) - len(table))
+    ok = m.grow(table, num_tokens)
+    assert ok == (needed <= len(ref.free) + len(ref.lru))
+    if not ok:
+        assert table == before
+        return False
+    new = table[len(before):]
+    from_free, evicted = ref.fresh(needed)
+    assert len(new) == needed and set(new[:from_free]) <= ref.free
+    assert len(set(new[:from_free])) == from_free and new[from_free:] == evicted
+    ref.free -= set(new)
+    for block in new:
+        ref.counts[block] = 1
+    return True
+
+
+@pytest.mark.parametrize("seed, num_blocks, block_size", [(0, 24, 4), (1, 40, 2), (2, 12, 1),
+                                                          (3, 30, 8)])
+def test_block_manager_against_a_reference_model(q7, seed, num_blocks, block_size):
+    """Many random engine-like operations (admit with prefix lookup, chunked prefill, decode
+    token by token, finish, preempt and resume), prompts built from a few shared beginnings over
+    a 3-token alphabet so that equal blocks after different prefixes are common; after each one
+    the manager's state equals the reference's and check() passes."""
+    rng = random.Random(seed)
+    m, ref = q7.BlockManager(num_blocks, block_size), ReferenceBlocks(num_blocks, block_size)
+    bases = [[rng.randrange(3) for _ in range(5 * block_size)] for _ in range(3)]
+    waiting, running = [], []  # each sequence: {"tokens", "table", "computed"}
+    admitted = preempted = hit_admissions = 0
+    for _ in range(1500):
+        op = rng.random()
+        if op < 0.15 or not (waiting or running):
+            base = rng.choice(bases)
+            tokens = base[:rng.randrange(len(base))] + [rng.randrange(3)
+                                                        for _ in range(rng.randrange(1, 9))]
+            waiting.append({"tokens": tokens, "table": [], "computed": 0})
+        elif op < 0.35 and waiting:
+            seq = waiting.pop(rng.randrange(len(waiting)))
+            expected = ref.prefix(seq["tokens"])
+            cached = m.allocate_prefix(seq["table"], seq["tokens"])
+            assert seq["table"] == expected and cached == len(expected) * block_size
+            for block in expected:
+                ref.take(block)
+            ref.hits, ref.queries = ref.hits + cached, ref.queries + len(seq["tokens"])
+            hit_admissions += bool(expected)
+            if grow_and_compare(m, ref, seq["table"], len(seq["tokens"])):
+                seq["computed"] = cached
+                running.append(seq)
+                admitted += 1
+            else:  # no room: give back what the lookup took, and wait
+                ref.release(expected)
+                m.free(seq["table"])
+                waiting.append(seq)
+        elif op < 0.85 and running:
+            seq = rng.choice(running)
+            tokens, table, start = seq["tokens"], seq["table"], seq["computed"]
+            if start < len(tokens):  # a forward pass: a prefill chunk or the decoded token
+                end = rng.randint(start + 1, len(tokens))
+                m.cache_full_blocks(table, tokens, start, end)
+                for i in range(start // block_size, end // block_size):
+                    ref.named.setdefault(tuple(tokens[:(i + 1) * block_size]), table[i])
+                seq["computed"] = end
+            else:  # sampling: one more token, which needs a slot
+                tokens.append(rng.randrange(3))
+                if not grow_and_compare(m, ref, table, len(tokens)):
+                    running.remove(seq)
+                    ref.release(table)
+                    m.free(table)
+                    seq["computed"] = 0
+                    waiting.append(seq)
+                    preempted += 1
+        elif running:  # finish or preempt
+            seq = running.pop(rng.randrange(len(running)))
+            ref.release(seq["table"])
+            m.free(seq["table"])
+            assert seq["table"] == []
+            if rng.random() < 0.3:
+                seq["computed"] = 0
+                waiting.append(seq)
+        m.check([seq["table"] for seq in running])
+        assert m.ref_counts == ref.counts and set(m.free_blocks) == ref.free
+        assert list(m.evictable) == ref.lru and m.num_free_blocks == len(ref.free) + len(ref.lru)
+        assert sorted(m.cached.values()) == sorted(ref.named.values())
+        assert m.prefix_hit_rate == (ref.hits / ref.queries if ref.queries else 0.0)
+    assert admitted > 100 and preempted > 0 and hit_admissions > 20  # every path was taken
+    for seq in running:
+        m.free(seq["table"])
+    m.check([])
+    assert m.num_free_blocks == num_blocks
+
+
+def cached_sequence(m, token_ids):
+    """A sequence admitted, prefilled and cached in one go, as the engine would; its table."""
+    table = []
+    cached = m.allocate_prefix(table, token_ids)
+    assert m.grow(table, len(token_ids))
+    m.cache_full_blocks(table, token_ids, cached, len(token_ids))
+    return table
+
+
+def test_block_manager_prefix_reuse(q7):
+    """Shared beginnings get the same block ids, and only beginnings: a block is found by its
+    tokens and everything before them. New blocks are never the shared ones."""
+    m = q7.BlockManager(32, block_size=4)
+    a = list(range(100, 114))  # 3 full blocks and 2 tokens
+    first = cached_sequence(m, a)
+    second = []
+    assert m.allocate_prefix(second, a[:12] + [7, 8, 9, 10, 11]) == 12 and second == first[:3]
+    assert m.grow(second, 17) and not set(second[3:]) & set(first)
+    for other in ([0] + a[1:], a[:4] + [0] + a[5:]):  # differ in block 0, in block 1
+        table = []
+        assert m.allocate_prefix(table, other) == (0 if other[0] == 0 else 4)
+        m.free(table)
+    # Blocks 1 and 2 of `a` again, at the start of a prompt: other tokens before them, no hit.
+    assert m.allocate_prefix([], a[4:]) == 0
+    m.check([first, second])
+
+
+def test_block_manager_duplicate_blocks(q7):
+    """Two sequences that compute the same blocks side by side: the first one's stay the ones
+    found, the second one's keep their hashes so that its later blocks chain from them, and a
+    prompt whose beginning was evicted finds nothing, though a later block of it is cached."""
+    m = q7.BlockManager(6, block_size=4)
+    p = [1] * 4 + [2] * 4 + [3]
+    ta, tb = [], []
+    for table in (ta, tb):  # both admitted before either has computed anything
+        assert m.allocate_prefix(table, p) == 0 and m.grow(table, len(p))
+    for table in (ta, tb):
+        m.cache_full_blocks(table, p, 0, 9)
+    probe = []
+    assert m.allocate_prefix(probe, p) == 8 and probe == ta[:2]
+    m.free(probe)
+    first, longer = list(ta), p + [4, 4, 4]
+    m.free(ta)  # ta[2] is free, ta[1] and ta[0] evictable
+    assert m.grow(tb, len(longer))
+    m.cache_full_blocks(tb, longer, 9, 12)  # tb's block 2 chains from its unregistered block 1
+    assert m.allocate_prefix(probe, longer + [5]) == 12 and probe == first[:2] + tb[2:]
+    m.free(probe)
+    d = []
+    assert m.grow(d, 12) and d == first[2:] + first[1::-1]  # the free one, then evictions
+    assert m.allocate_prefix(probe, longer + [5]) == 0 and probe == []
+    m.check([tb, d])
+
+
+@pytest.mark.parametrize("length, blocks", [(8, 1), (9, 2), (12, 2)])
+def test_block_manager_recomputes_the_last_token(q7, length, blocks):
+    """The same prompt again reuses its full blocks except one that would hold its last token:
+    that token's logits are needed, so it is computed again."""
+    m = q7.BlockManager(16, block_size=4)
+    tokens = [3 * i + 1 for i in range(length)]
+    first = cached_sequence(m, tokens)
+    again = []
+    assert m.allocate_prefix(again, tokens) == 4 * blocks and again == first[:blocks]
+    assert m.grow(again, length) and len(again) == len(first)
+    m.check([first, again])
+
+
+def test_block_manager_evicts_the_least_recently_freed_first(q7):
+    """Freed cached blocks stay findable until the free list runs out; then the least recently
+    freed go first, a sequence's tail before its head, and an evicted block is found no more."""
+    m = q7.BlockManager(10, block_size=4)
+    a, b, c = ([k] * 9 for k in (1, 2, 3))  # 3 blocks each, the last one not full
+    ta, tb, tc = (cached_sequence(m, p) for p in (a, b, c))
+    lru = [tc[1], tc[0], tb[1], tb[0], ta[1], ta[0]]  # free clears the tables
+    m.free(ta)
+    m.free(tc)
+    again = []  # a hit on a's two full blocks makes them the most recently freed, below
+    assert m.allocate_prefix(again, a) == 8 and again == lru[:-3:-1]
+    m.free(tb)
+    m.free(again)
+    assert m.num_free_blocks == 10
+    # Free: the unused block and the three partial blocks. Evictable, oldest first: c's 1, 0,
+    # b's 1, 0, a's 1, 0 (each sequence's tail went first).
+    d = []
+    assert m.grow(d, 4 * 4) and not set(d) & set(lru)
+    for taken in range(1, 4):
+        assert m.grow(d, 4 * (4 + taken)) and d[4:] == lru[:taken]
+    assert m.num_free_blocks == 3
+    for prompt, cached in ((c, 0), (b, 4), (a, 8)):  # c lost both, b its tail, a nothing
+        table = []
+        assert m.allocate_prefix(table, prompt) == cached
+        m.free(table)
+    m.check([d])
+
+
+def test_block_manager_grow_is_all_or_nothing(q7):
+    """grow takes every block it needs or none; blocks_needed is the shortfall in whole blocks."""
+    m = q7.BlockManager(5, block_size=4)
+    for have, tokens in ((0, 0), (0, 1), (0, 4), (0, 5), (2, 8), (2, 9), (3, 2)):
+        assert m.blocks_needed([0] * have, tokens) == max(0, len(range(0, tokens, 4)) - have)
+    table = cached_sequence(m, [5] * 6)  # 2 blocks, the first cached
+    m.free(table)  # 4 on the free list, 1 evictable
+    held = []
+    assert m.grow(held, 4)
+    assert not m.grow(held, 4 * 6) and len(held) == 1 and m.num_free_blocks == 4
+    m.check([held])
+    assert m.grow(held, 4 * 5) and len(held) == 5 and m.num_free_blocks == 0
+    assert not m.grow(held, 4 * 5 + 1) and len(held) == 5
+    m.check([held])
+
+
+def test_block_manager_without_prefix_caching(q7):
+    """With prefix caching off no prompt is ever found and every freed block is free again."""
+    m = q7.BlockManager(8, block_size=2, enable_prefix_caching=False)
+    tokens = [4, 5, 6, 7, 8, 9, 1]
+    first = cached_sequence(m, tokens)
+    table = []
+    assert m.allocate_prefix(table, tokens) == 0 and table == []
+    m.free(first)
+    assert m.allocate_prefix(table, tokens) == 0 and table == []
+    assert m.num_free_blocks == 8 and not m.evictable and m.prefix_hit_rate == 0.0
+    m.check([])
+
+
+def test_block_manager_hit_rate(q7):
+    """prefix_hit_rate: tokens found over tokens asked for, counted here prompt by prompt."""
+    m = q7.BlockManager(64, block_size=4)
+    assert m.prefix_hit_rate == 0.0
+    base = list(range(20))
+    hits = queries = 0
+    for prompt, cached in ((base, 0), (base[:13], 12), (base[:5], 4), (base + [1, 2], 20),
+                           ([9] + base, 0), (base[:4], 0)):
+        table = cached_sequence(m, prompt)
+        hits, queries = hits + cached, queries + len(prompt)
+        assert m.prefix_hit_rate == pytest.approx(hits / queries)
+        m.free(table)
+    m.reset_stats()
+    assert m.prefix_hit_rate == 0.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_blocks": 0}, "num_blocks = 0 must be a positive int"),
+    ({"num_blocks": 8.0}, "num_blocks = 8.0 must be a positive int"),
+    ({"num_blocks": True}, "num_blocks = True must be a positive int"),
+    ({"num_blocks": 8, "block_size": 0}, "block_size = 0 must be a positive int and a power"),
+    ({"num_blocks": 8, "block_size": 12}, "block_size = 12 must be a positive int and a power"),
+    ({"num_blocks": 8, "block_size": "16"}, "block_size = '16' must be a positive int"),
+    ({"num_blocks": 8, "enable_prefix_caching": 1}, "enable_prefix_caching = 1 must be True or"),
+])
+def test_block_manager_bad_arguments(q7, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        q7.BlockManager(**kwargs)
+
+
+def corrupt_count(m, tables):
+    m.ref_counts[tables[0][0]] += 1
+
+
+def corrupt_twice(m, tables):
+    tables[0].append(tables[0][0])
+
+
+def corrupt_free_but_held(m, tables):
+    tables[0].append(m.free_blocks[0])
+
+
+def corrupt_leak(m, tables):
+    m.free_blocks.popleft()
+
+
+def corrupt_hash_map(m, tables):
+    m.cached[next(iter(m.cached))] = tables[1][-1]
+
+
+def corrupt_evictable_unnamed(m, tables):
+    m.cached.clear()
+
+
+def corrupt_unknown_id(m, tables):
+    tables[0][0] = 99
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (corrupt_count, "reference count 2, but 1 tables hold it"),
+    (corrupt_twice, "a block table holds a block twice"),
+    (corrupt_free_but_held, "free or evictable but held by a table"),
+    (corrupt_leak, "!= 8 blocks"),
+    (corrupt_hash_map, "the hash map names block"),
+    (corrupt_evictable_unnamed, "not cached"),
+    (corrupt_unknown_id, "block ids outside the pool: {99}"),
+])
+def test_block_manager_check_catches_corruption(q7, corrupt, message):
+    m = q7.BlockManager(8, block_size=2)
+    gone = cached_sequence(m, [1, 2, 3, 4, 5])
+    m.free(gone)  # two evictable blocks
+    tables = [cached_sequence(m, [6, 7, 8]), cached_sequence(m, [9, 9, 9])]
+    m.check(tables)
+    corrupt(m, tables)
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        m.check(tables)
+
+
+# --------------------------------------------------------------------------------- paged attention
+
+def paged_pool(lengths, Hkv, D, page, seed, spare=3):
+    """Pools k, v (num_blocks, page, Hkv, D) float64 holding rows of the given lengths, and block
+    tables (B, most pages + 1) int32. Pages are handed out in a shuffled order; every slot no
+    row's key owns is NaN (the spare pages and the tail of each row's last page), so a kernel
+    that reads one shows it; table entries past a row's last page are garbage: -1, 2**30, or a
+    spare (NaN) page."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in lengths]
+    order = torch.randperm(sum(pages) + spare, generator=gen)  # the last `spare` stay unused
+    pools = torch.full((2, len(order), page, Hkv, D), float("nan"), dtype=torch.float64)
+    tables = torch.empty(len(lengths), max(pages) + 1, dtype=torch.int32)
+    taken = 0
+    for b, (n, own) in enumerate(zip(lengths, pages)):
+        tables[b, :own] = order[taken:taken + own]
+        tables[b, own:] = (-1, 2**30, int(order[-1]))[b % 3]
+        taken += own
+        keys = torch.arange(n)
+        pools[:, tables[b, keys // page].long(), keys % page] = gen64(2, n, Hkv, D, seed=seed + b)
+    return pools[0], pools[1], tables
+
+
+def gathered(pool, table, length):
+    """Keys 0..length-1 of one row, read through its block table: (length, Hkv, D)."""
+    keys = torch.arange(length)
+    return pool[table[keys // pool.shape[1]].long(), keys % pool.shape[1]]
+
+
+def paged_float64(q, k_pool, v_pool, tables, q_lens, lengths):
+    """q (N, Hq, D), q_lens[b] new tokens of row b packed in order, each seeing its row's keys up
+    to its own position (the last q_lens[b] of lengths[b]): float64 attention over keys gathered
+    through the block tables, GQA heads by index, causal bottom-right -> (N, Hq, D)."""
+    out, start = [], 0
+    for b, (T, S) in enumerate(zip(q_lens, lengths)):
+        k, v = (gathered(x.cpu(), tables[b].cpu(), S).transpose(0, 1)[None]  # (1, Hkv, S, D)
+                for x in (k_pool, v_pool))
+        q_b = q[start:start + T].cpu().transpose(0, 1)[None]  # (1, Hq, T, D)
+        out.append(attention_float64(q_b, k, v, causal=True)[0].transpose(0, 1))
+        start += T
+    return torch.cat(out)
+
+
+def paged_inputs(lengths, Hq, Hkv, D, page, dtype, q_rows, seed):
+    """q (q_rows, Hq, D), pools and tables on DEVICE in dtype; lengths int32."""
+    k_pool, v_pool, tables = paged_pool(lengths, Hkv, D, page, seed)
+    q = gen64(q_rows, Hq, D, seed=seed + 100)
+    q, k_pool, v_pool = (x.to(DEVICE, dtype) for x in (q, k_pool, v_pool))
+    return (q, k_pool, v_pool, tables.to(DEVICE),
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+
+
+PAGED_DECODE_CASES = {  # name -> lengths, Hq, Hkv, D, page, num_splits, max_len, dtype
+    # lengths 1, a page exactly, a page +- 1; odd page counts
+    "mha-page16-1-split": ([1, 16, 17, 15, 40], 4, 4, 32, 16, 1, None, torch.float32),
+    "gqa2-page4-2-splits-max_len": ([33, 1, 8, 7, 9], 4, 2, 64, 4, 2, 33, torch.float32),
+    "gqa4-page16-3-splits-bf16": ([47, 32, 1], 8, 2, 128, 16, 3, None, torch.bfloat16),
+    # pages larger than the interpreter's 16-key tiles, the split rule's count (3 splits), a
+    # group of 3 (padded to 16 rows)
+    "gqa3-page32-rule-fp16": ([300, 3], 6, 2, 32, 32, None, None, torch.float16),
+    "mqa-page1-2-splits": ([5, 1, 3], 2, 1, 32, 1, 2, None, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", PAGED_DECODE_CASES)
+def test_paged_decode_attention(q7, case, monkeypatch):
+    """Against float64 over keys gathered through shuffled block tables with garbage past each
+    row's pages and NaN in every slot no key owns: ragged lengths, GQA groups 1 to 4, pages of
+    1 to 32 keys, 1 to 3 splits and the split rule's count (on an H200's 132 SMs)."""
+    monkeypatch.setattr(q7, "_num_sms", lambda device: 132)
+    lengths, Hq, Hkv, D, page, splits, max_len, dtype = PAGED_DECODE_CASES[case]
+    q, k_pool, v_pool, tables, lens = paged_inputs(lengths, Hq, Hkv, D, page, dtype,
+                                                   len(lengths), seed=21)
+    out = q7.paged_decode_attention(q, k_pool, v_pool, tables, lens, max_len=max_len,
+                                    num_splits=splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = paged_float64(q, k_pool, v_pool, tables, [1] * len(lengths), lengths)
+    assert (out.cpu().double() - expected).abs().max().item() < DECODE_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype, splits", [(torch.float32, 1), (torch.bfloat16, 3)])
+def test_paged_decode_equals_decode_attention_on_a_contiguous_copy(q7, dtype, splits):
+    """The same rows laid out contiguously (NaN past each row's length) through decode_attention:
+    the same split, the same tiles, so the same numbers up to the order of fp32 sums."""
+    lengths, Hq, Hkv, D, page = [37, 1, 16, 20], 8, 2, 64, 4
+    q, k_pool, v_pool, tables, lens = paged_inputs(lengths, Hq, Hkv, D, page, dtype, 4, seed=22)
+    S = max(lengths)
+    k, v = (torch.stack([F.pad(gathered(x.cpu(), tables[b].cpu(), n).transpose(0, 1),
+                               (0, 0, 0, S - n), value=float("nan"))
+                         for b, n in enumerate(lengths)]).to(DEVICE)  # (B, Hkv, S, D)
+            for x in (k_pool, v_pool))
+    paged = q7.paged_decode_attention(q, k_pool, v_pool, tables, lens, S, num_splits=splits)
+    contiguous = q7.decode_attention(q, k, v, lens, S, num_splits=splits)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding of an output near 1
+    assert (paged.cpu().float() - contiguous.cpu().float()).abs().max().item() <= tol
+
+
+PAGED_PREFILL_CASES = {  # name -> q_lens, lengths, Hq, Hkv, D, page, dtype
+    # a decode, a whole prompt (q_len == length, twice), a chunk after a 13-key prefix
+    "gqa2-page4-mix": ([1, 5, 17, 12], [9, 5, 30, 12], 4, 2, 32, 4, torch.float32),
+    # tiles of 16 tokens from position 30: the first's key 31 is one past the unmasked keys
+    "mha-page16": ([17, 1, 3], [47, 16, 20], 4, 4, 64, 16, torch.float32),
+    # a chunk of 20 after 63 keys, ragged at both ends of the pages
+    "gqa4-page16-chunked-bf16": ([20, 1], [83, 50], 8, 2, 128, 16, torch.bfloat16),
+    # a group of 3 query heads in tiles of 4 (rows of the 4th head are padding)
+    "gqa3-page4-fp16": ([6, 2, 9], [6, 17, 9], 6, 2, 32, 4, torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", PAGED_PREFILL_CASES)
+def test_paged_prefill_attention(q7, case):
+    """Ragged sequences in one launch, q lengths 1 to 20 over prefixes that are not whole pages,
+    against float64 (same tables, garbage and NaN as the decode test)."""
+    q_lens, lengths, Hq, Hkv, D, page, dtype = PAGED_PREFILL_CASES[case]
+    q, k_pool, v_pool, tables, lens = paged_inputs(lengths, Hq, Hkv, D, page, dtype,
+                                                   sum(q_lens), seed=23)
+    cu = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=DEVICE)
+    out = q7.paged_prefill_attention(q, k_pool, v_pool, tables, cu, lens, max(q_lens))
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = paged_float64(q, k_pool, v_pool, tables, q_lens, lengths)
+    assert (out.cpu().double() - expected).abs().max().item() < DECODE_TOL[dtype]
+
+
+@pytest.mark.parametrize("case", ["decode", *PAGED_PREFILL_CASES])
+def test_paged_attention_torch(q7, case):
+    """The torch version against the same float64 reference, decodes and prefills (CPU)."""
+    if case == "decode":
+        lengths, Hq, Hkv, D, page, *_, dtype = PAGED_DECODE_CASES["gqa2-page4-2-splits-max_len"]
+        q_lens = [1] * len(lengths)
+    else:
+        q_lens, lengths, Hq, Hkv, D, page, dtype = PAGED_PREFILL_CASES[case]
+    k_pool, v_pool, tables = paged_pool(lengths, Hkv, D, page, seed=24)
+    q = gen64(sum(q_lens), Hq, D, seed=25)
+    q, k_pool, v_pool = (x.to(dtype) for x in (q, k_pool, v_pool))
+    cu = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32)
+    out = q7.paged_attention_torch(q, k_pool, v_pool, tables, cu, torch.tensor(lengths))
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = paged_float64(q, k_pool, v_pool, tables, q_lens, lengths)
+    assert (out.double() - expected).abs().max().item() < DECODE_TOL[dtype]
+
+
+def ints(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+PAGED_BAD = [  # (functions, what changes, error, message)
+    ("dpt", dict(q=torch.ones(2, 4, 1, 32)), ValueError, r"q must be \(rows, Hq, D\)"),
+    ("dpt", dict(v_cache=torch.ones(6, 4, 2, 64)), ValueError,
+     r"one \(num_blocks, block_size, Hkv, D\) shape"),
+    ("dpt", dict(block_tables=ints(0, 1)), ValueError, r"block_tables must be \(B, max_blocks\)"),
+    ("dpt", dict(lengths=ints(1, 1, 1)), ValueError,
+     r"and lengths \(B,\), got \(2, 3\) and \(3,\)"),
+    ("dpt", dict(q=torch.ones(2, 3, 32)), ValueError,
+     r"query heads \(3\) must be a multiple of kv heads \(2\)"),
+    ("dpt", dict(q=torch.ones(2, 4, 64)), ValueError, "head sizes differ: q has D=64"),
+    ("dpt", dict(k_cache=torch.ones(6, 6, 2, 32), v_cache=torch.ones(6, 6, 2, 32)), ValueError,
+     "block_size must be a power of two, got 6"),
+    ("dp", dict(q=torch.ones(2, 4, 48), k_cache=torch.ones(6, 4, 2, 48),
+                v_cache=torch.ones(6, 4, 2, 48)), ValueError, "head size D=48 is not supported"),
+    ("dp", dict(q=torch.ones(2, 4, 32, dtype=torch.float64)), TypeError, "q has dtype"),
+    ("dp", dict(k_cache=torch.ones(6, 4, 2, 32, dtype=torch.float16)), TypeError,
+     "k_cache has dtype torch.float16"),
+    ("dp", dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)), TypeError,
+     "block_tables has dtype torch.int64"),
+    ("dp", dict(lengths=torch.ones(2)), TypeError, "lengths has dtype torch.float32"),
+    ("dp", dict(k_cache=torch.ones(6, 4, 32, 2).transpose(-1, -2)), ValueError,
+     "q, k_cache and v_cache need a unit last stride"),
+    ("dp", dict(block_tables=torch.zeros(3, 2, dtype=torch.int32).t()), ValueError,
+     "block_tables needs a unit last stride"),
+    ("dp", dict(sm_scale=0.0), ValueError, "sm_scale must be a positive number, got 0.0"),
+    ("d", dict(q=torch.ones(3, 4, 32)), ValueError, "q has 3 rows but block_tables 2"),
+    ("d", dict(max_len=13), ValueError,
+     r"max_len must be an int in \[1, max_blocks \* block_size=12\], got 13"),
+    ("d", dict(max_len=4.0), ValueError, "max_len must be an int"),
+    ("d", dict(num_splits=0), ValueError, r"num_splits must be an int in \[1, 64\] or None"),
+    ("p", dict(cu_seqlens_q=ints(0, 1, 2).long()), TypeError, "cu_seqlens_q has dtype torch.int64"),
+    ("p", dict(cu_seqlens_q=ints(0, 2)), ValueError, r"cu_seqlens_q must be \(B \+ 1,\) = \(3,\)"),
+    ("p", dict(max_q_len=3), ValueError, r"max_q_len must be an int in \[1, N=2\], got 3"),
+    ("p", dict(max_q_len=True), ValueError, "max_q_len must be an int"),
+    ("t", dict(lengths=ints(1, 13)), ValueError, r"sequence 1 has 1 new tokens and 13 keys"),
+    ("t", dict(cu_seqlens_q=ints(0, 2, 2)), ValueError, "sequence 0 has 2 new tokens and 1 keys"),
+]
+
+
+@pytest.mark.parametrize("functions, change, error, message", PAGED_BAD)
+def test_paged_attention_refuses_bad_inputs(q7, functions, change, error, message):
+    """Each bad input, to each function that must refuse it ("d" decode, "p" prefill, "t" the
+    torch version): a clear error before any launch."""
+    args = dict(q=torch.ones(2, 4, 32), k_cache=torch.ones(6, 4, 2, 32),
+                v_cache=torch.ones(6, 4, 2, 32), block_tables=torch.zeros(2, 3, dtype=torch.int32),
+                lengths=ints(1, 1), cu_seqlens_q=ints(0, 1, 2), max_q_len=1, max_len=None,
+                num_splits=None, sm_scale=None)
+    args.update(change)
+    args = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in args.items()}
+    tensors = [args[name] for name in ("q", "k_cache", "v_cache", "block_tables")]
+    calls = {"d": lambda: q7.paged_decode_attention(
+                 *tensors, args["lengths"], args["max_len"], args["sm_scale"], args["num_splits"]),
+             "p": lambda: q7.paged_prefill_attention(
+                 *tensors, args["cu_seqlens_q"], args["lengths"], args["max_q_len"],
+                 args["sm_scale"]),
+             "t": lambda: q7.paged_attention_torch(*tensors, args["cu_seqlens_q"],
+                                                   args["lengths"])}
+    for function in functions:
+        with pytest.raises(error, match=message):
+            calls[function]()
+
+
+@pytest.mark.gpu
+def test_gpu_paged_kernels_at_realistic_sizes(q7):
+    """Both paged kernels on an H200-sized problem against float64: bf16, D=128, Qwen3-8B's
+    32/8 heads, pages of 16, 8 rows ragged up to 3,000 keys, the split rule's own count, and
+    prefill chunks of 1 to 640 tokens over long prefixes."""
+    lengths = [3000, 1, 17, 1024, 2049, 640, 16, 2999]
+    q_lens = [64, 1, 17, 1, 300, 640, 5, 1]
+    q, k_pool, v_pool, tables, lens = paged_inputs(lengths, 32, 8, 128, 16, torch.bfloat16,
+                                                   sum(q_lens), seed=26)
+    out = q7.paged_decode_attention(q[:8], k_pool, v_pool, tables, lens)
+    expected = paged_float64(q[:8], k_pool, v_pool, tables, [1] * 8, lengths)
+    assert (out.cpu().double() - expected).abs().max().item() < DECODE_TOL[torch.bfloat16]
+    cu = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=DEVICE)
+    out = q7.paged_prefill_attention(q, k_pool, v_pool, tables, cu, lens, max(q_lens))
+    expected = paged_float64(q, k_pool, v_pool, tables, q_lens, lengths)
+    assert (out.cpu().double() - expected).abs().max().item() < DECODE_TOL[torch.bfloat16]
+
+
 # ------------------------------------------------------------------------------ on the GPU
 
 @pytest.mark.gpu
@@ -2606,41 +3677,40 @@ def small_cuda_model(q7, dtype):
 
 @pytest.mark.gpu
 @torch.no_grad()
-def test_gpu_graph_replay_equals_eager_fast_decode(q7):
-    """DecodeGraphs against fast_decode run eagerly on twin caches: bitwise equal logits and
-    caches, for a batch of 6 (bucket 8) and of 3 (bucket 4, one padded row), on cuBLAS, and of
-    1, on matvec, over several steps; and fast_decode no further from the model's torch path in
-    float32 than that path is in bf16."""
+def test_gpu_graph_replay_equals_eager(q7):
+    """A ModelRunner replaying DecodeGraphs against one running forward_packed eagerly, over
+    twin pools: six sequences prefilled together (ragged, blocks out of order), then decode
+    steps at batch 6 (bucket 8), 3 (bucket 4, a padded row) and 1 (matvec): bitwise equal
+    logits and pools; and the engine's step no further from the model's torch path in float32
+    than that path is in bf16."""
     model = small_cuda_model(q7, torch.bfloat16)
-    fp32 = copy.deepcopy(model).float().use_kernels(False)  # the reference
-    fp32.inv_freq = model.inv_freq
-    ids = torch.randint(0, 1000, (6, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    caches = [q7.KVCache(model.cfg, rows=8, length=64, device="cuda", dtype=dtype)
-              for dtype in (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)]
-    for cache in caches[:3]:
-        model.hidden_states(ids[:, :20], cache=cache)
-    fp32.hidden_states(ids[:, :20], cache=caches[3])
-    graphs = q7.DecodeGraphs(model, caches[0])
+    runners = [q7.ModelRunner(model, 64, 16, 256, enforce_eager=eager) for eager in (False, True)]
+    assert runners[0].graphs is not None and runners[1].graphs is None
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randperm(64, generator=gen)[:6 * 4].view(6, 4).tolist()  # 4 blocks a sequence
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (20, 3, 17, 9, 33, 16)]
+    for runner in runners:
+        runner.forward([(p, None, 0, t, 1) for p, t in zip(prompts, tables)])
+    fp32 = copy.deepcopy(model).float().use_kernels(False)
+    lengths = [len(p) for p in prompts]
     for batch, steps in ((6, 2), (3, 3), (1, 2)):
-        pos = torch.arange(20, 20 + batch, device="cuda")  # rows at different positions
         for _ in range(steps):
-            step = ids[torch.arange(batch, device="cuda"), pos]
-            graphed = graphs(step, pos).clone()
-            eager = q7.fast_decode(model, step, pos, caches[1])
+            entries = [([prompts[b][0]], None, lengths[b], tables[b], 1) for b in range(batch)]
+            graphed, eager = (runner.forward(entries) for runner in runners)
             assert torch.equal(graphed, eager)
-            kv_len = int(pos.max()) + 1
-            expected = fp32(step[:, None], pos[:, None], caches[3], kv_len=kv_len)[:, 0]
-            model.use_kernels(False)
-            torch_bf16 = model(step[:, None], pos[:, None], caches[2], kv_len=kv_len)[:, 0]
-            model.use_kernels(True)
-            errors = [((x.float() - expected).norm() / expected.norm()).item()
-                      for x in (eager, torch_bf16)]
-            assert errors[0] < 1.5 * errors[1] + 1e-3, errors
-            pos += 1
-    assert sorted(graphs.graphs) == [1, 4, 8]
-    # rows 0-2 ran in every batch (the graphs' padded rows rewrite rows 3 and up)
-    assert torch.equal(caches[0].k[:, :3], caches[1].k[:, :3])
-    assert torch.equal(caches[0].v[:, :3], caches[1].v[:, :3])
+            for b in range(batch):
+                prompts[b] = prompts[b] + [prompts[b][0]]
+                lengths[b] += 1
+    assert sorted(runners[0].graphs.graphs) == [1, 4, 8]
+    for a, b in zip(runners[0].kv, runners[1].kv):
+        assert torch.equal(a[:, :64], b[:, :64])  # (the scratch block differs: eager has no padding)
+    ids = torch.tensor([prompts[0]], device="cuda")
+    expected = fp32(ids)[0, -1].float()
+    model.use_kernels(False)
+    torch_bf16 = model(ids)[0, -1].float()
+    model.use_kernels(True)
+    errors = [((x - expected).norm() / expected.norm()).item() for x in (eager[0].float(), torch_bf16)]
+    assert errors[0] < 1.5 * errors[1] + 1e-3, errors
 
 
 @pytest.mark.gpu
@@ -2651,9 +3721,10 @@ def test_gpu_engine_with_graphs_equals_enforce_eager(q7):
     a bucket and that do not."""
     model = small_cuda_model(q7, torch.bfloat16)
     prompts = [random_ids(n, vocab=1000, seed=n) for n in (5, 17, 9)]
-    graphed = q7.LLM(model, max_batch_size=3, async_scheduling=False)
-    overlapped = q7.LLM(model, max_batch_size=3, async_scheduling=True)
-    eager = q7.LLM(model, max_batch_size=3, enforce_eager=True, async_scheduling=False)
+    graphed = q7.LLM(model, max_num_seqs=3, num_kv_blocks=64, async_scheduling=False)
+    overlapped = q7.LLM(model, max_num_seqs=3, num_kv_blocks=64, async_scheduling=True)
+    eager = q7.LLM(model, max_num_seqs=3, num_kv_blocks=64, enforce_eager=True,
+                   async_scheduling=False)
     for params in (q7.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
                    [q7.SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12,
                                       ignore_eos=True, logprobs=0) for i in range(3)]):
@@ -2665,6 +3736,29 @@ def test_gpu_engine_with_graphs_equals_enforce_eager(q7):
                 assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
                 assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
     assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+@torch.no_grad()
+def test_gpu_engine_outputs_equal_one_request_at_a_time(q7, hf_dir, setting):
+    """The CPU test's requests and settings on the GPU, through the Triton kernels (the paged
+    prefill and decode kernels, the fused step, CUDA graphs) in float32: every output equals
+    transformers' greedy continuation of its prompt alone, and every block is free at the end."""
+    hf, folder = hf_dir
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        prompts, max_tokens = mixed_requests(16, seed=5)
+        llm = q7.LLM(folder, device="cuda", dtype=torch.float32, max_model_len=40, debug=True,
+                     **ENGINE_SETTINGS[setting])
+        assert llm.engine.runner.attention is q7.triton_attention
+        params = [q7.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outputs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == hf_greedy_all(hf, prompts, max_tokens)
+        assert_all_free(llm.engine)
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 @pytest.mark.gpu
@@ -2680,3 +3774,17 @@ def test_gpu_bench_engine_runs(q7, monkeypatch, capsys):
         for mode in ("plain", "async"):
             assert row[mode]["tok_s"] > 0 and 0 < row[mode]["of_copy"] < 1.2
             assert 0 < row[mode]["gpu_us"] < row[mode]["step_us"] * 1.5
+
+
+@pytest.mark.gpu
+def test_gpu_bench_throughput_runs(q7, monkeypatch, capsys):
+    """bench_throughput end to end on a small shape and few requests, transformers included:
+    rates positive, prefix hits on the shared workload only, idle fractions in [0, 1)."""
+    monkeypatch.setattr(q7, "BENCH_MODELS", {"Qwen3-0.6B": small_cuda_model(q7, torch.bfloat16).cfg})
+    results = q7.bench_throughput(torch.device("cuda"), n=12, low=20, high=200)
+    out = capsys.readouterr().out
+    assert "offline throughput" in out and "failed" not in out
+    assert results["engine"]["output_tok_s"] > 0 and results["transformers"] > 0
+    assert results["half of each prompt shared"]["prefix_hit_rate"] > 0.2
+    assert results["  the same, prefix caching off"]["prefix_hit_rate"] == 0
+    assert all(0 <= results[f"idle_async_{m}"] < 1 for m in (True, False))
