@@ -1,5 +1,6 @@
-"""Stage 07: serving Qwen3, part 1: the model, its tokenizer and chat format, a KV cache, a first
-engine, sampling and structured output (book chapters 16-18 and 34).
+"""Stage 07: serving Qwen3: the model, its tokenizer and chat format, a KV cache, an engine with
+continuous batching, a paged KV cache, prefix caching and speculative decoding, sampling and
+structured output (book chapters 16-19, 24-26, 31-34).
 
 What this stage teaches
     16. What an inference engine does: a prefill runs the whole prompt once, then decode steps
@@ -7,8 +8,7 @@ What this stage teaches
         The engine is a few small parts with vLLM's names: a request is a `Sequence`, the
         `Scheduler` picks the batch, the `ModelRunner` turns it into tensors and runs the model,
         the `Sampler` picks tokens, `LLMEngine.step` ties them together and `LLM.generate` is
-        the entry point. This first engine batches statically: a batch runs until its last
-        sequence ends.
+        the entry point.
         The text boundary: `load_tokenizer` reads a Hugging Face tokenizer.json (byte-level
         BPE: vocabulary, merges, normalizer, pre-tokenizer regex, added tokens) into a tiktoken
         Encoding whose ids equal the `tokenizers` library's; the `Tokenizer` also knows the eos
@@ -25,15 +25,38 @@ What this stage teaches
         checked against recomputing the whole sequence.
     19. Fast decode: `decode_attention`, a Triton kernel for one query a row over a long cache
         (flash-decoding: the keys split into chunks whose partial softmaxes a second kernel
-        merges; the query heads of a GQA group share each K/V load); `fast_decode`, the
-        one-token step on fewer kernels (fused projections; q/k norm + RoPE + the cache write in
+        merges; the query heads of a GQA group share each K/V load); `forward_packed`, the
+        engine's step on fewer kernels (fused projections; q/k norm + RoPE + the cache write in
         one kernel; at batch 1 `matvec`, a matrix-vector kernel that takes in the residual add
         and RMSNorm or the SwiGLU before it), the stage's kernels launched before the previous
-        one ends (programmatic dependent launch); `DecodeGraphs`, that step captured in a CUDA
-        graph per batch-size bucket and replayed by the engine on a GPU; async scheduling (on
-        by default), each step launched before the previous one's tokens are read.
-        `--bench` measures decode attention against copy bandwidth and SDPA, and decode
-        tokens/s of Qwen3-0.6B- and Qwen3-8B-shaped models against transformers' generate.
+        one ends (programmatic dependent launch); `DecodeGraphs`, a decode step captured in a
+        CUDA graph per batch-size bucket and replayed by the engine on a GPU.
+    24. Continuous batching: the `Scheduler` decides every step which sequences run, under a
+        token budget (`max_num_batched_tokens`) and a sequence budget (`max_num_seqs`): decodes
+        first, then new prompts, a long one prefilled in chunks that share steps with the
+        decodes (chunked prefill); when the cache is full the latest admitted sequence is
+        preempted and later recomputed, with the same output. `LLMEngine.add_request`, `step`
+        and `abort` serve requests one at a time (stage 08's server drives them).
+    25. The paged KV cache: a pool of blocks (`BlockManager`: block tables, reference counts, a
+        free list; its size from the memory left after the weights and a profiled step, like
+        vLLM's `gpu_memory_utilization`), read by the stage's own paged Triton kernels: a decode
+        kernel (split over the keys) and a prefill / extend kernel (a chunk of new queries over
+        the cached prefix and itself, ragged lengths in one launch). Attention backends sit
+        behind one small interface (ch. 32): `triton_attention`, and `torch_attention`, which
+        gathers the blocks and runs plain attention (the CPU's engine, and the reference).
+    26. Speculative decoding: `LLM(speculative=...)`, n-gram prompt lookup (`ngram_propose`) or
+        a draft model, whose proposals every running sequence verifies in one target forward;
+        `rejection_sample` keeps the target's distribution exactly (greedy output is plain
+        greedy's); a sequence whose drafts are rarely accepted stops proposing.
+    31. Prefix caching: full blocks named by a chained hash of their tokens, shared by every
+        request whose prompt starts alike, kept after use until evicted (LRU); the hit rate is
+        in `LLMEngine.stats`.
+    33. The fast step: decode steps replay CUDA graphs, other steps run eagerly; async
+        scheduling (on by default) launches step n + 1 before step n's tokens reach the host,
+        so the host's work runs while the GPU computes.
+        `--bench` measures decode attention and paged decode against copy bandwidth, decode
+        tokens/s of Qwen3-0.6B- and Qwen3-8B-shaped models against transformers' generate, and
+        offline throughput on nano-vllm's workload against transformers' continuous batching.
     34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
         frequency penalties, seed, stop ids, logprobs), validated on construction and applied in
         vLLM's order, every row of a batch with its own values and, when seeded, its own random
@@ -65,12 +88,12 @@ Run
                                          # Qwen/Qwen3-0.6B (downloaded into data/hub/)
     python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
     python 07_engine.py --bench          # what structured output costs on a 151,936-token
-                                         # vocabulary; on a GPU, decode attention's GB/s and
-                                         # decode tokens/s against transformers (~7 min)
+                                         # vocabulary; on a GPU, attention's GB/s, decode and
+                                         # offline tokens/s against transformers (~12 min)
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
 through Triton's interpreter), greedy and sampled generations as text, batched against one by
-one, a generation under each kind of structured output (checked with Python's re and json), and
-decode tokens/s.
+one, a generation under each kind of structured output (checked with Python's re and json),
+continuous batching step by step (each step's sequences and tokens, preemptions), and tokens/s.
 """
 
 import argparse
@@ -1092,7 +1115,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.kernels = False
-        self.gate_up_weight = None  # gate|up weights in one tensor, for fast_decode
+        self.gate_up_weight = None  # gate|up weights in one tensor, for forward_packed
 
     def forward(self, x):  # x (B, T, C)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
@@ -1729,9 +1752,9 @@ def _check_splits(fn, max_len, most, most_name, num_splits):
 
 
 # ------------------------------------------------------------------------------------------------
-# 17.4 continued: paged attention (part 2)
+# 17.4 continued: paged attention (chapter 25)
 # ------------------------------------------------------------------------------------------------
-# NEW in stage 07, part 2. KVCache above gives every row max_len slots up front: a row that ends
+# NEW in stage 07. KVCache (chapter 18) gives every row max_len slots up front: a row that ends
 # early, or never gets long, holds memory no other row can use, and rows of a batch cannot share
 # a prompt's keys. A paged cache (vLLM's PagedAttention, Kwon et al. 2023) cuts the cache into
 # pages of block_size slots, a pool per layer, k_cache and v_cache (num_blocks, block_size, Hkv,
@@ -2088,7 +2111,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head_dim, self.layer = D, layer  # layer: which of the cache's layers is this one's
         self.kernels = False
-        self.qkv_weight = None  # q|k|v weights in one tensor, for fast_decode (fuse_projections)
+        self.qkv_weight = None  # q|k|v weights in one tensor, for forward_packed (fuse_projections)
 
     def forward(self, x, rope, cache=None, kv_len=None):
         """x (B, T, C) -> (B, T, C). rope: (cos, sin, positions) of the tokens. cache, kv_len: see
@@ -2150,7 +2173,7 @@ class Qwen3(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.kernels = False  # set by use_kernels; the engine's decode takes fast_decode then
+        self.kernels = False  # set by use_kernels; the engine's forward_packed takes the kernels then
 
     def use_kernels(self, on=True):
         """Run RMSNorm, SwiGLU and the prefill's attention on the Triton kernels (CUDA tensors, or
@@ -2224,8 +2247,8 @@ def _check_ids(ids, vocab_size):
 # Preallocated: the engine knows before the first token how long each sequence may get (prompt +
 # max_tokens), so the cache is allocated once, for the whole batch, and each step writes into it.
 # (transformers' default cache concatenates one more token per step instead: a new allocation
-# and a copy of the whole cache, every step, every layer.) Its addresses never change, which the
-# CUDA graphs of the fast decode will need.
+# and a copy of the whole cache, every step, every layer.) This cache serves the model's own path;
+# the engine keeps its keys and values in a paged cache (chapter 25) that many sequences share.
 
 class KVCache:
     """Keys and values of every layer for `rows` sequences of up to `length` positions:
@@ -2271,21 +2294,23 @@ class KVCache:
 #   v in one kernel (qk_norm_rope). At batch 1 the projections (those of up to 3,072 columns:
 #   all of Qwen3-0.6B's, _on_matvec) run on a matrix-vector kernel (matvec) that also does the
 #   residual add and RMSNorm before it, or the SwiGLU; the others are cuBLAS's matmuls, with the
-#   add and norm (add_rms_norm) and SwiGLU (swiglu_halves) as kernels of their own. fast_decode
-#   is the whole step on them: for Qwen3-0.6B 171 GPU ops at batch 1, 285 at batch 16 (over a
-#   short cache, one attention split; a longer one adds a merge kernel a layer). It equals the
-#   model's path up to rounding: each kernel computes in fp32 and rounds once, where torch
-#   rounds after every op.
+#   add and norm (add_rms_norm) and SwiGLU (swiglu_halves) as kernels of their own.
+#   forward_packed is the whole step on them, for the tokens of many sequences at once (a
+#   decode step is one token a sequence; chapter 24 packs prompts in too): for Qwen3-0.6B 171
+#   GPU ops at batch 1, 285 at batch 16 (over a short cache, one attention split; a longer one
+#   adds a merge kernel a layer). It equals the model's path up to rounding: each kernel
+#   computes in fp32 and rounds once, where torch rounds after every op.
 # - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
 #   (DecodeGraphs), whose replay launches all of it with one call. A graph replays fixed
-#   addresses and shapes: the ids and positions are copied into its input buffers, the cache is
-#   the same tensors throughout (KVCache), a batch is padded up to its bucket, and attention is
-#   bounded by the cache's length, each row's own length staying on the device.
+#   addresses and shapes: the ids, positions, slots and block tables are copied into its input
+#   buffers, the paged cache is the same tensors throughout, a batch is padded up to its bucket,
+#   and attention is bounded by the longest sequence allowed, each row's own length staying on
+#   the device.
 # - No idle gap between kernels: matvec, qk_norm_rope and decode attention start while the
 #   kernel before them ends (programmatic dependent launch, below). The 0.6B step's graph at
 #   batch 1, in one run: 755 us with it, 877 without.
 # What is left is the host: the graph's launch, the sampler and the token's trip to the host,
-# during which the GPU would wait. With async_scheduling (ModelRunner.run) step n + 1 is
+# during which the GPU would wait. With async_scheduling (LLMEngine.step) step n + 1 is
 # launched, fed with step n's tokens on the device, before those tokens are read back, so the
 # host's work overlaps the GPU's (Qwen3-0.6B at batch 1: a step of 784 us, 1,124 without).
 
@@ -2673,6 +2698,8 @@ def forward_packed(model, ids, positions, kv, meta, attention):
         gate_up, x = norm_linear(x, h, block.post_attention_layernorm, mlp.gate_up_weight)
         h = linear(gate_up, mlp.down_proj.weight, kernels, swiglu=True)
     if meta.sample_rows.shape[0] != N:  # only the rows that sample need the output layer
+        if meta.sample_rows.shape[0] == 0:  # a step of prompt chunks that all go on
+            return x.new_empty(0, model.cfg.vocab_size)
         x, h = x[meta.sample_rows], h[meta.sample_rows]
     return norm_linear(x, h, model.model.norm, model.output_weight())[0]
 
@@ -2859,17 +2886,22 @@ class SamplingBatch:
     prompt holds and how often each token is in each output so far. Built each step from its
     rows' requests (the engine's rows change from step to step); `record` adds the step's tokens,
     with no host sync. outputs: each row's output ids so far (for the penalties; default none);
-    generators: each row's torch.Generator or None (default: a new one per seeded row)."""
+    generators: each row's torch.Generator or None (default: a new one per seeded row); rows:
+    each row's sampling_row(params, vocab_size), if already at hand."""
 
-    def __init__(self, params, prompts, vocab_size, device, outputs=None, generators=None):
-        def column(name):
-            return torch.tensor([float(getattr(p, name)) for p in params], device=device)  # (B,)
-
-        self.temperature, self.top_p, self.min_p = column("temperature"), column("top_p"), column("min_p")
+    def __init__(self, params, prompts, vocab_size, device, outputs=None, generators=None,
+                 rows=None):
+        # every row's values in one (7, B) table, sent to the device in one copy from pinned
+        # memory: a copy from pageable memory would wait for the GPU's queue, and the engine
+        # builds a batch each step while the GPU runs the last one
+        rows = rows or [sampling_row(p, vocab_size) for p in params]
+        table = torch.tensor(rows).T  # (7, B)
+        if torch.device(device).type == "cuda":
+            table = table.pin_memory().to(device, non_blocking=True)
+        (self.temperature, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
+         self.frequency_penalty, top_k) = table
+        self.top_k = top_k.long()
         self.greedy = self.temperature < GREEDY_BELOW  # (B,) bool
-        self.top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device)
-        self.repetition_penalty = column("repetition_penalty")
-        self.presence_penalty, self.frequency_penalty = column("presence_penalty"), column("frequency_penalty")
         # which stages the batch needs, decided here on the host: a greedy batch skips the sort
         # of 151,936 logits a row, a batch without penalties their (B, V) bookkeeping
         self.all_greedy = all(p.temperature < GREEDY_BELOW for p in params)
@@ -2897,6 +2929,12 @@ class SamplingBatch:
 
     def record_row(self, row, ids):
         self.counts[row].scatter_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+
+
+def sampling_row(params, vocab_size):
+    """A request's numbers, in the order of SamplingBatch's table."""
+    return (params.temperature, params.top_p, params.min_p, params.repetition_penalty,
+            params.presence_penalty, params.frequency_penalty, params.top_k or vocab_size)
 
 
 def apply_penalties(logits, batch):
@@ -3943,7 +3981,7 @@ class Sequence:
     blocks of block_table; under async scheduling num_pending more tokens were sampled on the
     device and are not read back yet."""
 
-    def __init__(self, request_id, prompt_token_ids, params, max_tokens, grammar=None,
+    def __init__(self, request_id, prompt_token_ids, params, max_tokens, vocab_size, grammar=None,
                  generator=None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -3953,6 +3991,9 @@ class Sequence:
         self.grammar = grammar  # structured output's TokenMasker, or None
         self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
         self.generator = generator  # a seeded request's own random stream
+        self.sampling_row = sampling_row(params, vocab_size)  # its numbers, for SamplingBatch
+        # its next step needs its last token on the host (LLMEngine._needs_tokens)
+        self.needs_tokens = grammar is not None or params.has_penalties
         self.status = SequenceStatus.WAITING
         self.finish_reason = None
         self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
@@ -4122,6 +4163,16 @@ class BlockManager:
             table.append(block)
         return True
 
+    def reset_prefix_cache(self):
+        """Forget every cached block no sequence holds (vLLM's reset_prefix_cache): each goes
+        back to the free list, nameless. For benchmarks, whose runs must not find the last
+        run's prompts."""
+        for block in self.evictable:
+            self.hashes[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+        self.cached = {h: b for h, b in self.cached.items() if self.ref_counts[b] > 0}
+
     def cache_full_blocks(self, table, token_ids, start, end):
         """Tokens [start, end) now have their keys and values in the cache: name each block that
         became full, so that later prompts can find it. Only those blocks are touched, since
@@ -4208,7 +4259,7 @@ class Scheduler:
     step's tokens never exceed the budget; a preempted sequence resumes with the output it had."""
 
     def __init__(self, block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids):
-        self.block_manager = block_manager
+        self.block_manager, self.block_size = block_manager, block_manager.block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = deque()
@@ -4232,9 +4283,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
                 continue  # preempted in this loop, or its last token is on its way
             needed = seq.num_tokens - seq.num_computed_tokens
-            n = min(needed + len(seq.draft_tokens), budget)
-            seq.draft_tokens = seq.draft_tokens[:max(0, n - needed)]
-            while not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n):
+            n = needed + len(seq.draft_tokens)
+            if n > budget:
+                n = budget
+                seq.draft_tokens = seq.draft_tokens[:max(0, n - needed)]
+            while (seq.num_computed_tokens + n > len(seq.block_table) * self.block_size
+                   and not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)):
                 preempted = True
                 self.preempt(self.running[-1])
                 if seq.status is not SequenceStatus.RUNNING:
@@ -4305,9 +4359,10 @@ class Scheduler:
         """Blocks that a step filled become reusable by later prompts (prefix caching). spans:
         [(sequence, start, end)], the positions the step computed; their tokens are all known by
         now. A sequence preempted since then has lost those blocks."""
+        bs = self.block_size
         for seq, start, end in spans:
-            if seq.status is SequenceStatus.RUNNING:  # (rejected drafts are not computed)
-                end = min(end, seq.num_computed_tokens)
+            end = min(end, seq.num_computed_tokens)  # (rejected drafts are not computed)
+            if seq.status is SequenceStatus.RUNNING and end // bs > start // bs:  # a block filled
                 self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, start, end)
 
     def _finish_reason(self, seq, token):
@@ -4399,20 +4454,27 @@ class ModelRunner:
         def lists():
             """A list of new tokens and one of logprobs per sequence, in seqs' order."""
             tokens_list, logprobs_tensors = read_plain()
-            per_seq = dict(zip(plain, zip([[t] for t in tokens_list], [[x] for x in self.logprobs_lists(
-                plain, tokens_list, logprobs_tensors)])))
-            if read_spec is not None:
-                per_seq.update(read_spec())
+            new = [[t] for t in tokens_list]
+            logprobs_list = [[x] for x in self.logprobs_lists(plain, tokens_list, logprobs_tensors)]
+            if read_spec is None:
+                return new, logprobs_list
+            per_seq = dict(zip(plain, zip(new, logprobs_list)))
+            per_seq.update(read_spec())
             new = [per_seq[seq] for seq in seqs]
             return [t for t, _ in new], [lp for _, lp in new]
         return StepHandle(spans, seqs, tokens, lists)
 
     def sampling_batch(self, seqs, repeat=1):
-        """The SamplingBatch of the sequences, each in `repeat` rows (one per verified position)."""
+        """The SamplingBatch of the sequences, each in `repeat` rows (one per verified position).
+        The prompts and outputs (copies) only where a penalty needs them."""
         seqs = [seq for seq in seqs for _ in range(repeat)]
-        return SamplingBatch([s.params for s in seqs], [s.prompt_token_ids for s in seqs],
-                             self.vocab_size, self.device, outputs=[s.output_token_ids for s in seqs],
-                             generators=[s.generator for s in seqs] if repeat == 1 else None)
+        params = [s.params for s in seqs]
+        penalties = any(s.needs_tokens and s.params.has_penalties for s in seqs)
+        return SamplingBatch(params, [s.prompt_token_ids for s in seqs] if penalties else None,
+                             self.vocab_size, self.device,
+                             outputs=[s.output_token_ids for s in seqs] if penalties else None,
+                             generators=[s.generator for s in seqs] if repeat == 1 else None,
+                             rows=[s.sampling_row for s in seqs])
 
     @torch.inference_mode()
     def forward(self, entries, previous_tokens=None):
@@ -4562,6 +4624,7 @@ class LLMEngine:
         self.proposer, self.num_speculative, self.min_accepted = speculative or (None, 0, 0.0)
         self.grammars = None  # the GrammarCache, built at the first structured request
         self.requests = {}  # request_id -> Sequence, until it ends
+        self.num_needing_tokens = 0  # of them, under structured output or penalties
         self.in_flight = None  # the StepHandle launched and not read yet
         self.last_batch = []  # [(sequence, its new tokens)] of the last step scheduled
         self.counts = Counter()  # steps; sequences verified, draft tokens and accepted ones
@@ -4584,11 +4647,12 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        return Sequence(request_id, ids, params, max_tokens, self._grammar(request_id, params),
-                        generator)
+        return Sequence(request_id, ids, params, max_tokens, self.runner.vocab_size,
+                        self._grammar(request_id, params), generator)
 
     def add_sequence(self, seq):
         self.requests[seq.request_id] = seq
+        self.num_needing_tokens += seq.needs_tokens
         self.scheduler.add(seq)
 
     def reset(self):
@@ -4606,7 +4670,8 @@ class LLMEngine:
                 raise ValueError(f"prompt {request_id!r} is text, but this LLM has no tokenizer: "
                                  f"pass token ids, or LLM(..., tokenizer=...)")
             prompt = self.tokenizer.encode(prompt)
-        elif not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+        elif not isinstance(prompt, (list, tuple)) or not all(
+                type(t) is int or _is_int(t) for t in prompt):  # (the common case first)
             raise ValueError(f"prompt {request_id!r} must be a string or a list of token ids")
         ids = [int(t) for t in prompt]
         if not ids:
@@ -4669,6 +4734,7 @@ class LLMEngine:
         freed at once. An unknown or finished id is ignored (it may have just finished)."""
         seq = self.requests.pop(request_id, None)
         if seq is not None:
+            self.num_needing_tokens -= seq.needs_tokens
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self):
@@ -4681,6 +4747,11 @@ class LLMEngine:
     def step(self):
         """One turn of the loop: schedule, launch, and read back (under async scheduling, the
         previous step's tokens): returns a RequestOutput for every request that advanced."""
+        return [self.output(seq) for seq in self.advance()]
+
+    def advance(self):
+        """step() without building its outputs (each a copy of a request's tokens so far):
+        returns the sequences that advanced."""
         overlap = self.async_scheduling and not self._needs_tokens()
         advanced = [] if overlap else self._read(self.in_flight)  # (no step in flight then)
         batch = self.last_batch = self.scheduler.schedule()
@@ -4696,7 +4767,7 @@ class LLMEngine:
             self._propose()
         if self.debug:
             self.check()
-        return [self.output(seq) for seq in advanced]
+        return advanced
 
     def _read(self, handle):
         """Wait for a launched step's tokens and hand them to its sequences."""
@@ -4712,15 +4783,13 @@ class LLMEngine:
         advanced = self.scheduler.postprocess(handle.seqs, tokens, logprobs)
         self.scheduler.register_computed(handle.spans)
         for seq in advanced:
-            if seq.is_finished:
-                self.requests.pop(seq.request_id, None)
+            if seq.is_finished and self.requests.pop(seq.request_id, None) is not None:
+                self.num_needing_tokens -= seq.needs_tokens
         return advanced
 
     def _needs_tokens(self):
         """Whether the next step needs the last step's tokens on the host before it starts."""
-        return self.proposer is not None or any(
-            seq.grammar is not None or seq.params.has_penalties
-            for seq in self.scheduler.running)  # (sequences that start wait anyway)
+        return self.proposer is not None or self.num_needing_tokens > 0
 
     def _propose(self):
         """Draft tokens for the next step of every decoding sequence that speculates: not under
@@ -4864,7 +4933,7 @@ class LLM:
         for seq in seqs:
             engine.add_sequence(seq)
         while engine.has_unfinished():
-            engine.step()
+            engine.advance()
         return [engine.output(seq) for seq in seqs]
 
     @staticmethod
@@ -4913,9 +4982,10 @@ def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_nu
                          utilization):
     """The pool's size in blocks, reported. On a GPU, vLLM's rule: of utilization x the GPU's
     memory, what is left after what is in use now (the weights, the CUDA context, other
-    processes) and the peak of a profiled step of max_num_batched_tokens tokens. On a CPU,
-    room for max_num_seqs sequences of max_model_len tokens, at most 1 GiB. models: the target,
-    and a draft model whose cache shares the blocks."""
+    processes) and the peak of a profiled step of max_num_batched_tokens tokens; but no more
+    than max_num_seqs sequences of max_model_len tokens fill, with as much again for prefix
+    caching to keep. On a CPU, room for max_num_seqs sequences of max_model_len tokens, at most
+    1 GiB. models: the target, and a draft model whose cache shares the blocks."""
     model, per_token = models[0], 0
     for m in models:
         cfg, dtype = m.cfg, m.model.embed_tokens.weight.dtype
@@ -4928,7 +4998,8 @@ def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_nu
         peak = profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
         free, total = torch.cuda.mem_get_info(device)
         budget = utilization * total - (total - free) - peak
-        blocks = int(budget // (per_token * block_size))
+        most = 2 * max_num_seqs * triton.cdiv(max_model_len, block_size)
+        blocks = min(int(budget // (per_token * block_size)), most)
         if blocks < triton.cdiv(max_model_len, block_size):
             raise ValueError(f"gpu_memory_utilization {utilization} leaves room for {max(blocks, 0)} "
                              f"KV blocks, fewer than one sequence of max_model_len "
@@ -5253,8 +5324,8 @@ def throughput_workload(vocab_size, n=256, low=100, high=1024, seed=0, shared=0.
 def run_workload(llm, requests, temperature=0.6):
     """Generate the requests (ignore_eos, each its own length); returns (seconds, output tokens,
     prompt tokens)."""
-    params = [SamplingParams(temperature=temperature, max_tokens=out, ignore_eos=True, seed=i)
-              for i, (_, out) in enumerate(requests)]
+    params = [SamplingParams(temperature=temperature, max_tokens=out, ignore_eos=True)
+              for _, out in requests]
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate([prompt for prompt, _ in requests], params)
@@ -5316,65 +5387,137 @@ def transformers_throughput(cfg, device, requests, temperature=0.6):
         manager.stop(block=True)
 
 
-def bench_throughput(device, n=256, low=100, high=1024, with_transformers=True):
+def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8192,
+                     baseline_requests=64, runs=2):
     """Offline throughput on the workload above (Qwen3-0.6B shape, random bf16 weights): output
-    and total tokens/s of the engine, against transformers' continuous batching in the same run;
-    the same workload with half of each prompt shared, prefix caching on and off; and the GPU's
-    idle fraction over decode steps with async scheduling on and off. Returns the figures, or
-    None without a GPU."""
+    and total tokens/s of the engine (the best of `runs`); the same workload with half of each
+    prompt shared, prefix caching on and off; the GPU's idle fraction over decode steps with
+    async scheduling on and off; and against transformers' continuous batching in the same run,
+    on the workload's first baseline_requests requests (all 256 would take it minutes; 0: not
+    run). Returns the figures, or None without a GPU."""
     if device.type != "cuda":
         print("throughput bench: needs a CUDA GPU; skipped")
         return None
     cfg = BENCH_MODELS["Qwen3-0.6B"]
     model = random_model(cfg, device, torch.bfloat16)
     requests = throughput_workload(cfg.vocab_size, n, low, high)
-    results, length = {}, 2 * high
+    shared = throughput_workload(cfg.vocab_size, n, low, high, shared=0.5)
+    # the warm-up: prompts as long, shorter outputs, so that every graph bucket and every tile
+    # size the run needs is captured and autotuned before it
+    warm_up = [(p, 1 + i) for i, (p, _) in enumerate(throughput_workload(cfg.vocab_size, n, low,
+                                                                         high, seed=1))]
+    knobs = dict(max_model_len=2 * high, max_num_batched_tokens=max_num_batched_tokens)
     print(f"\noffline throughput: Qwen3-0.6B shape, bf16, random weights; {n} requests, prompt "
-          f"and output lengths uniform in {low}..{high:,}, temperature 0.6, ignore_eos")
-    llm = LLM(model, max_model_len=length)
-    warm_up = throughput_workload(cfg.vocab_size, n, 8, 256, seed=1)  # every graph, every tile
-    run_workload(llm, warm_up)
-    print(f"  {'':<34} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12}")
-    for name, reqs, caching in (("engine", requests, True),
-                                ("half of each prompt shared", throughput_workload(
-                                    cfg.vocab_size, n, low, high, shared=0.5), True),
-                                ("  the same, prefix caching off", None, False)):
-        if not caching:
-            del llm
-            torch.cuda.empty_cache()
-            llm = LLM(model, max_model_len=length, enable_prefix_caching=False)
-            run_workload(llm, warm_up)
-            reqs = results["half of each prompt shared"]["requests"]
-        llm.engine.block_manager.reset_stats()
-        seconds, out, prompt = run_workload(llm, reqs)
-        results[name] = dict(requests=reqs, seconds=seconds, output_tok_s=out / seconds,
-                             total_tok_s=(out + prompt) / seconds,
-                             prefix_hit_rate=llm.engine.block_manager.prefix_hit_rate)
-        print(f"  {name:<34} {seconds:>8.2f} {out / seconds:>13,.0f} "
-              f"{(out + prompt) / seconds:>12,.0f}   prefix hits "
-              f"{llm.engine.block_manager.prefix_hit_rate:.0%}", flush=True)
-    shared_on, shared_off = results["half of each prompt shared"], results["  the same, prefix caching off"]
-    print(f"  prefix caching: {shared_off['seconds'] / shared_on['seconds']:.2f}x faster on the "
+          f"and output lengths uniform in {low}..{high:,}, temperature 0.6, ignore_eos; the best "
+          f"of {runs} runs")
+    print(f"  {'':<36} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12} {'prefix hits':>12}")
+    results = {}
+    for name, reqs, caching in (("engine", requests, True), ("half of each prompt shared", shared, True),
+                                ("the same, prefix caching off", shared, False)):
+        llm = LLM(model, enable_prefix_caching=caching, **knobs)
+        run_workload(llm, warm_up)
+        blocks = llm.engine.block_manager
+        best = None
+        for _ in range(runs):
+            blocks.reset_prefix_cache()
+            blocks.reset_stats()
+            seconds, out, prompt = run_workload(llm, reqs)
+            if best is None or seconds < best[0]:
+                best = seconds, blocks.prefix_hit_rate
+        seconds, hits = best
+        results[name] = dict(seconds=seconds, output_tok_s=out / seconds,
+                             total_tok_s=(out + prompt) / seconds, prefix_hit_rate=hits)
+        print(f"  {name:<36} {seconds:>8.2f} {out / seconds:>13,.0f} "
+              f"{(out + prompt) / seconds:>12,.0f} {hits:>12.0%}", flush=True)
+        del llm, blocks
+        torch.cuda.empty_cache()
+    on, off = results["half of each prompt shared"], results["the same, prefix caching off"]
+    print(f"  prefix caching: {off['seconds'] / on['seconds']:.2f}x the speed without it on the "
           f"shared-prefix workload")
     for mode in (True, False):
-        del llm
-        torch.cuda.empty_cache()
-        llm = LLM(model, max_model_len=length, async_scheduling=mode)
-        idle = gpu_idle_fraction(llm)
-        results[f"idle_async_{mode}"] = idle
+        llm = LLM(model, async_scheduling=mode, **knobs)
+        idle = results[f"idle_async_{mode}"] = gpu_idle_fraction(llm)
         print(f"  GPU idle over decode steps of 128 sequences, async scheduling "
               f"{'on ' if mode else 'off'}: {idle:.1%}")
-    del llm
-    torch.cuda.empty_cache()
-    if with_transformers:
+        del llm
+        torch.cuda.empty_cache()
+    if baseline_requests:
+        subset = requests[:baseline_requests]
+        llm = LLM(model, **knobs)
+        run_workload(llm, warm_up[:baseline_requests])
+        seconds, out, _ = run_workload(llm, subset)
+        ours = results["engine_subset"] = out / seconds
+        del llm
+        torch.cuda.empty_cache()
         try:
-            seconds, out = transformers_throughput(cfg, device, requests)
-            results["transformers"] = out / seconds
-            print(f"  transformers' continuous batching (paged|sdpa): {out / seconds:,.0f} output "
-                  f"tok/s ({seconds:.0f} s); the engine: "
-                  f"{results['engine']['output_tok_s'] / (out / seconds):.1f}x")
+            seconds, out = transformers_throughput(cfg, device, subset)
+            theirs = results["transformers"] = out / seconds
+            print(f"  the first {len(subset)} requests: the engine {ours:,.0f} output tok/s, "
+                  f"transformers' continuous batching (paged|sdpa) {theirs:,.0f} ({seconds:.0f} "
+                  f"s): {ours / theirs:.1f}x")
         except Exception as e:  # a baseline that breaks must not hide the engine's figures
             print(f"  transformers' continuous batching failed: {type(e).__name__}: {e}")
+    return results
+
+
+def speculative_rate(model, prompts, params, speculative=None):
+    """(output tokens/s, mean accepted drafts a verified sequence, steps) of generating prompts
+    with one LLM, after a warm-up run of the same."""
+    llm = LLM(model, max_model_len=1024, max_num_seqs=len(prompts), num_kv_blocks=len(prompts) * 64,
+              speculative=speculative)
+    llm.generate(prompts, params)  # warm-up: graphs, tiles
+    before = dict(llm.engine.counts)
+    sync = torch.cuda.synchronize if _device_of(model).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    sync()
+    seconds = time.perf_counter() - start
+    counts = {k: v - before.get(k, 0) for k, v in llm.engine.counts.items()}
+    accepted = counts.get("accepted", 0) / max(1, counts.get("verified", 0))
+    return sum(len(o.token_ids) for o in outputs) / seconds, accepted, counts.get("steps", 0)
+
+
+def bench_speculative(device, batches=(1, 32), k=4, prompt_len=128, new_tokens=128):
+    """Speculative decoding on Qwen3-0.6B's shape (random bf16 weights), greedy and sampled,
+    against plain decoding in the same run, at each batch size: a draft model that is the
+    target itself (every draft accepted: the machinery's best case, and what the draft's own
+    steps cost), a random draft model (nothing accepted: the worst case), and n-gram lookup
+    greedy (a random model's greedy text repeats itself, which lookup finds) and sampled at
+    temperature 1 (nothing repeats: speculation switches itself off). The break-even: the
+    accepted drafts a step at which a verified step, as slow as the worst case's, yields as many
+    tokens a second as plain decoding. Returns the table, or None without a GPU."""
+    if device.type != "cuda":
+        print("speculative decoding bench: needs a CUDA GPU; skipped")
+        return None
+    cfg = BENCH_MODELS["Qwen3-0.6B"]
+    model, other = random_model(cfg, device, torch.bfloat16), random_model(cfg, device, torch.bfloat16, seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+    cases = [("plain, greedy", None, greedy),
+             ("draft = target", {"method": "draft", "model": model, "num_tokens": k}, greedy),
+             ("random draft (always on)", {"method": "draft", "model": other, "num_tokens": k,
+                                           "min_accepted": 0}, greedy),
+             ("n-gram, greedy", {"method": "ngram", "num_tokens": k}, greedy),
+             ("plain, sampled", None, sampled),
+             ("n-gram, sampled", {"method": "ngram", "num_tokens": k}, sampled)]
+    print(f"\\nspeculative decoding, Qwen3-0.6B shape, random bf16 weights, k = {k}, prompts of "
+          f"{prompt_len} random tokens, {new_tokens} new tokens each")
+    results = {}
+    for batch in batches:
+        prompts = random_prompts(cfg.vocab_size, [prompt_len] * batch, seed=batch)
+        print(f"  batch {batch}: {'':<22} {'tok/s':>8} {'x plain':>8} {'accepted/step':>14}")
+        for name, spec, params in cases:
+            rate, accepted, steps = speculative_rate(model, prompts, params, spec)
+            plain = results.get((batch, "plain, " + ("greedy" if params is greedy else "sampled")))
+            ratio = f"{rate / plain[0]:>7.2f}x" if plain else f"{'':>8}"
+            results[batch, name] = (rate, accepted)
+            print(f"  {'':>9}{name:<24} {rate:>8,.0f} {ratio} {accepted:>14.2f}", flush=True)
+        worst = results[batch, "random draft (always on)"][0]
+        plain = results[batch, "plain, greedy"][0]
+        # a verified step costs what the worst case's does and yields 1 + a tokens
+        print(f"  {'':>9}break-even: {plain / worst - 1:.2f} accepted drafts a step (n-gram's "
+              f"proposals cost nearly nothing, so its own break-even is lower)")
     return results
 
 
@@ -5795,6 +5938,7 @@ def main(argv=None):
         bench_decode_attention(torch.device(args.device))
         bench_engine(torch.device(args.device))
         bench_throughput(torch.device(args.device))
+        bench_speculative(torch.device(args.device))
         return
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone

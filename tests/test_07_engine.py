@@ -3781,10 +3781,13 @@ def test_gpu_bench_throughput_runs(q7, monkeypatch, capsys):
     """bench_throughput end to end on a small shape and few requests, transformers included:
     rates positive, prefix hits on the shared workload only, idle fractions in [0, 1)."""
     monkeypatch.setattr(q7, "BENCH_MODELS", {"Qwen3-0.6B": small_cuda_model(q7, torch.bfloat16).cfg})
-    results = q7.bench_throughput(torch.device("cuda"), n=12, low=20, high=200)
+    results = q7.bench_throughput(torch.device("cuda"), n=12, low=20, high=200, runs=1,
+                                  baseline_requests=4,
+                                  max_num_batched_tokens=256)  # admissions spread over steps
     out = capsys.readouterr().out
     assert "offline throughput" in out and "failed" not in out
     assert results["engine"]["output_tok_s"] > 0 and results["transformers"] > 0
+    assert results["engine_subset"] > 0
     assert results["half of each prompt shared"]["prefix_hit_rate"] > 0.2
-    assert results["  the same, prefix caching off"]["prefix_hit_rate"] == 0
+    assert results["the same, prefix caching off"]["prefix_hit_rate"] == 0
     assert all(0 <= results[f"idle_async_{m}"] < 1 for m in (True, False))
