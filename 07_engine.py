@@ -2173,7 +2173,7 @@ class Qwen3(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.kernels = False  # set by use_kernels; the engine's forward_packed takes the kernels then
+        self.kernels = False  # set by use_kernels; forward_packed takes the kernels then
 
     def use_kernels(self, on=True):
         """Run RMSNorm, SwiGLU and the prefill's attention on the Triton kernels (CUDA tensors, or
@@ -2426,7 +2426,8 @@ def qk_norm_rope(qkv, positions, slots, inv_freq, q_weight, k_weight, eps, k_cac
                          f"Hkv, D) shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     N, (Hkv, D) = qkv.shape[0], k_cache.shape[2:]
     Hq = qkv.shape[1] // D - 2 * Hkv if qkv.dim() == 2 else 0
-    if Hq < 1 or qkv.shape[1] != (Hq + 2 * Hkv) * D or positions.shape != (N,) or slots.shape != (N,):
+    if (Hq < 1 or qkv.shape[1] != (Hq + 2 * Hkv) * D or positions.shape != (N,)
+            or slots.shape != (N,)):
         raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)}, positions "
                          f"{tuple(positions.shape)} and slots {tuple(slots.shape)} do not fit a "
                          f"cache of {Hkv} heads of {D}")
@@ -3107,7 +3108,11 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
 # when it has one, draft_probs: the distribution each draft token was drawn from.
 # Speculation pays while a step's accepted drafts are worth more than the verification costs.
 # A sequence whose mean accepted drafts a step falls below SPEC_MIN_ACCEPTED stops proposing,
-# and proposes once every SPEC_PROBE_STEPS steps to measure again (LLMEngine._propose).
+# and proposes once every SPEC_PROBE_STEPS steps to measure again (LLMEngine._propose). The
+# break-even depends on what a verified step costs: here one runs eagerly and waits for its
+# tokens (no CUDA graph, no overlap), and on the H200 a draft model's break-even came out past
+# k (bench_speculative), so the default is a floor against the hopeless cases, not the
+# break-even.
 SPEC_MIN_ACCEPTED = 0.5
 SPEC_PROBE_STEPS = 16
 
@@ -3175,7 +3180,8 @@ def make_proposer(spec, model, num_blocks, block_size, max_model_len, enforce_ea
                         f"4}}, not {type(spec).__name__}")
     known = {"method", "num_tokens", "model", "max_n", "min_accepted"}
     if set(spec) - known:
-        raise ValueError(f"speculative: unknown keys {sorted(set(spec) - known)}; known: {sorted(known)}")
+        raise ValueError(f"speculative: unknown keys {sorted(set(spec) - known)}; known: "
+                         f"{sorted(known)}")
     method, k = spec.get("method"), spec.get("num_tokens", 4)
     min_accepted = spec.get("min_accepted", SPEC_MIN_ACCEPTED)
     if not _is_int(k) or not 1 <= k <= 16:
@@ -4415,14 +4421,16 @@ class ModelRunner:
                    torch.zeros(shape, device=self.device, dtype=self.dtype))
         self.scratch_slot = num_blocks * block_size
         graphed = self.device.type == "cuda" and model.kernels and not enforce_eager
-        self.graphs = DecodeGraphs(self.model, self.kv, self.max_len, self.attention) if graphed else None
+        self.graphs = (DecodeGraphs(self.model, self.kv, self.max_len, self.attention)
+                       if graphed else None)
         self.sampler = Sampler()
 
     @torch.inference_mode()
     def launch(self, batch, previous=None):
         """Queue one step: batch = [(sequence, its new tokens)] as scheduled (num_computed_tokens
         already past them, a sequence's draft tokens last). A new token not yet on the host is
-        the one `previous` (a StepHandle) sampled: it is read on the device. Returns a StepHandle."""
+        the one `previous` (a StepHandle) sampled: it is read on the device. Returns a
+        StepHandle."""
         entries, seqs, spans = [], [], []
         for seq, n in batch:
             end, k = seq.num_computed_tokens, len(seq.draft_tokens)
@@ -4483,7 +4491,8 @@ class ModelRunner:
         device from previous_tokens[from_previous] when that is not None; `samples`: how many
         of its last rows need logits. Returns those logits (rows, V), in order."""
         bs = self.block_size
-        ids, pending, positions, slots, lengths, tables, cu, sample_rows = [], [], [], [], [], [], [0], []
+        ids, pending, positions, slots, lengths, tables, sample_rows = [], [], [], [], [], [], []
+        cu = [0]
         for tokens, from_previous, start, table, samples in entries:
             end = start + len(tokens)
             if from_previous is not None:
@@ -4507,10 +4516,12 @@ class ModelRunner:
         ids_d = self._to_device(ids, torch.int64)
         if pending:
             dst, src = zip(*pending)
-            ids_d[self._to_device(dst, torch.int64)] = previous_tokens[self._to_device(src, torch.int64)]
+            src = self._to_device(src, torch.int64)
+            ids_d[self._to_device(dst, torch.int64)] = previous_tokens[src]
         rows_d = self._to_device(sample_rows, torch.int64)
         meta = AttentionMetadata(
-            slots=self._to_device(slots, torch.int64), cu_seqlens_q=self._to_device(cu, torch.int32),
+            slots=self._to_device(slots, torch.int64),
+            cu_seqlens_q=self._to_device(cu, torch.int32),
             lengths=self._to_device(lengths, torch.int32),
             block_tables=self._to_device(table_array, torch.int32),
             max_q_len=max(len(e[0]) for e in entries), max_len=table_array.shape[1] * bs,
@@ -4538,8 +4549,8 @@ class ModelRunner:
         index = self._to_device(index, torch.int64)
         probs = Sampler.probs(logits[index.flatten()].float(), self.sampling_batch(
             drafted, repeat=K + 1)).view(len(drafted), K + 1, -1)  # (B, K + 1, V)
-        drafts = self._to_device([s.draft_tokens + [0] * (K - len(s.draft_tokens)) for s in drafted],
-                                 torch.int64)  # (B, K)
+        drafts = self._to_device(  # (B, K)
+            [s.draft_tokens + [0] * (K - len(s.draft_tokens)) for s in drafted], torch.int64)
         num_draft = self._to_device([len(s.draft_tokens) for s in drafted], torch.int64)
         draft_probs = None
         if drafted[0].draft_probs is not None:  # a draft model's, (k, V) a sequence: zero-padded
@@ -4548,7 +4559,8 @@ class ModelRunner:
                 draft_probs[row, :len(seq.draft_tokens)] = seq.draft_probs
         greedy = self._to_device([s.params.temperature < GREEDY_BELOW for s in drafted], torch.bool)
         generators = {row: s.generator for row, s in enumerate(drafted) if s.generator is not None}
-        tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy, generators)
+        tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy,
+                                            generators)
         read = self._read_back(tokens, (accepted,))
 
         def wait():
@@ -4675,7 +4687,8 @@ class LLMEngine:
             raise ValueError(f"prompt {request_id!r} must be a string or a list of token ids")
         ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError(f"prompt {request_id!r} is empty: generation needs a token to continue")
+            raise ValueError(f"prompt {request_id!r} is empty: generation needs a token to "
+                             f"continue")
         vocab = self.runner.vocab_size
         outside = [t for t in ids if not 0 <= t < vocab]
         if outside:
@@ -4929,7 +4942,8 @@ class LLM:
         params = self._params_per_prompt(sampling_params, len(prompts))
         engine = self.engine
         engine.reset()  # a fresh start, even after an interrupted call
-        seqs = [engine.new_sequence(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        seqs = [engine.new_sequence(i, prompt, p)
+                for i, (prompt, p) in enumerate(zip(prompts, params))]
         for seq in seqs:
             engine.add_sequence(seq)
         while engine.has_unfinished():
@@ -4989,7 +5003,8 @@ def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_nu
     model, per_token = models[0], 0
     for m in models:
         cfg, dtype = m.cfg, m.model.embed_tokens.weight.dtype
-        per_token += 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        per_token += (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                      * dtype.itemsize)
     device = _device_of(model)
     if device.type != "cuda":
         tokens = min(max_num_seqs * max_model_len, max(max_model_len, 2**30 // per_token))
@@ -5001,9 +5016,10 @@ def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_nu
         most = 2 * max_num_seqs * triton.cdiv(max_model_len, block_size)
         blocks = min(int(budget // (per_token * block_size)), most)
         if blocks < triton.cdiv(max_model_len, block_size):
-            raise ValueError(f"gpu_memory_utilization {utilization} leaves room for {max(blocks, 0)} "
-                             f"KV blocks, fewer than one sequence of max_model_len "
-                             f"{max_model_len} needs: raise it, or lower max_model_len")
+            raise ValueError(f"gpu_memory_utilization {utilization} leaves room for "
+                             f"{max(blocks, 0)} KV blocks, fewer than one sequence of "
+                             f"max_model_len {max_model_len} needs: raise it, or lower "
+                             f"max_model_len")
     print(f"KV cache: {blocks:,} blocks of {block_size} tokens = {blocks * block_size:,} tokens, "
           f"{blocks * block_size * per_token / 2**30:.2f} GiB")
     return blocks
@@ -5020,9 +5036,10 @@ def profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
     N = max_num_batched_tokens
     blocks = triton.cdiv(N, block_size)
     shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+    kv = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
     meta = AttentionMetadata(
-        slots=torch.arange(N, device=device), lengths=torch.tensor([N], device=device, dtype=torch.int32),
+        slots=torch.arange(N, device=device),
+        lengths=torch.tensor([N], device=device, dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, N], device=device, dtype=torch.int32),
         block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
         max_q_len=N, max_len=blocks * block_size,
@@ -5412,7 +5429,8 @@ def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8
           f"of {runs} runs")
     print(f"  {'':<36} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12} {'prefix hits':>12}")
     results = {}
-    for name, reqs, caching in (("engine", requests, True), ("half of each prompt shared", shared, True),
+    for name, reqs, caching in (("engine", requests, True),
+                                ("half of each prompt shared", shared, True),
                                 ("the same, prefix caching off", shared, False)):
         llm = LLM(model, enable_prefix_caching=caching, **knobs)
         run_workload(llm, warm_up)
@@ -5491,7 +5509,8 @@ def bench_speculative(device, batches=(1, 32), k=4, prompt_len=128, new_tokens=1
         print("speculative decoding bench: needs a CUDA GPU; skipped")
         return None
     cfg = BENCH_MODELS["Qwen3-0.6B"]
-    model, other = random_model(cfg, device, torch.bfloat16), random_model(cfg, device, torch.bfloat16, seed=1)
+    model = random_model(cfg, device, torch.bfloat16)
+    other = random_model(cfg, device, torch.bfloat16, seed=1)  # a draft that agrees with nothing
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
     cases = [("plain, greedy", None, greedy),
@@ -5689,16 +5708,19 @@ def packed_stepper(model, batch, length, block_size=16):
     are handed out in reverse (so that no sequence's blocks are in order)."""
     device, dtype, cfg = _device_of(model), model.model.embed_tokens.weight.dtype, model.cfg
     width = triton.cdiv(length, block_size)
-    shape = (cfg.num_hidden_layers, batch * width, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-    tables = torch.arange(batch * width, device=device, dtype=torch.int32).flip(0).view(batch, width)
+    shape = (cfg.num_hidden_layers, batch * width, block_size, cfg.num_key_value_heads,
+             cfg.head_dim)
+    kv = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
+    tables = torch.arange(batch * width, device=device, dtype=torch.int32).flip(0)
+    tables = tables.view(batch, width)
     attention = triton_attention if model.kernels else torch_attention
     fuse_projections(model)
 
     def step(ids, positions, rows):
         counts = torch.bincount(rows, minlength=batch)  # (B,) new tokens of each sequence
         meta = AttentionMetadata(
-            slots=tables[rows, positions // block_size].long() * block_size + positions % block_size,
+            slots=(tables[rows, positions // block_size].long() * block_size
+                   + positions % block_size),
             cu_seqlens_q=F.pad(counts.cumsum(0), (1, 0)).int(),
             lengths=torch.zeros(batch, dtype=torch.int64, device=device).scatter_reduce(
                 0, rows, positions + 1, "amax").int(),
@@ -5807,7 +5829,8 @@ def show_continuous_batching(llm, seed, n=6):
                      f"{engine.scheduler.num_preemptions}")
     for step, line in enumerate(lines):
         print(f"  step {step:>2}: {line}")
-    alone = [small.generate([prompt], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0]
+    alone = [small.generate([prompt], SamplingParams(temperature=0, max_tokens=m,
+                                                     ignore_eos=True))[0]
              for prompt, m in requests]
     same = all(outputs["ABCDEFGHIJ"[i]].token_ids == a.token_ids for i, a in enumerate(alone))
     print(f"  their greedy outputs: {'identical to' if same else 'DIFFERENT from'} each request "
@@ -5897,8 +5920,9 @@ def parse_args(argv=None):
     parser.add_argument("--bench", action="store_true",
                         help="instead: what structured output costs on a Qwen3-sized vocabulary "
                         "(compiling a schema, a state's first mask, a cached mask) and, on a "
-                        "GPU, the decode-attention kernel's share of copy bandwidth and decode "
-                        "tokens/s of Qwen3-0.6B and 8B shapes against transformers")
+                        "GPU, the attention kernels' share of copy bandwidth, decode tokens/s of "
+                        "Qwen3-0.6B and 8B shapes against transformers, offline throughput "
+                        "against transformers' continuous batching, and speculative decoding")
     parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
                         "the random model's (default: data/)")
     args = parser.parse_args(argv)
@@ -5936,6 +5960,7 @@ def main(argv=None):
     if args.bench:
         bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
         bench_decode_attention(torch.device(args.device))
+        bench_paged_decode(torch.device(args.device))
         bench_engine(torch.device(args.device))
         bench_throughput(torch.device(args.device))
         bench_speculative(torch.device(args.device))
