@@ -5520,7 +5520,7 @@ def bench_speculative(device, batches=(1, 32), k=4, prompt_len=128, new_tokens=1
              ("n-gram, greedy", {"method": "ngram", "num_tokens": k}, greedy),
              ("plain, sampled", None, sampled),
              ("n-gram, sampled", {"method": "ngram", "num_tokens": k}, sampled)]
-    print(f"\\nspeculative decoding, Qwen3-0.6B shape, random bf16 weights, k = {k}, prompts of "
+    print(f"\nspeculative decoding, Qwen3-0.6B shape, random bf16 weights, k = {k}, prompts of "
           f"{prompt_len} random tokens, {new_tokens} new tokens each")
     results = {}
     for batch in batches:
