@@ -1520,7 +1520,7 @@ _MIN_SPLIT_KEYS = 128
 _MAX_SPLITS = 64  # the merge holds a head's partials in registers: (64, D) fp32
 
 
-# The key loop is shared with the paged kernels below (part 2): a key is found through a
+# The key loop is shared with the paged kernels below: a key is found through a
 # contiguous row of the cache, or through the row's block table.
 @triton.jit
 def _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, lo, hi, last, qk_scale,
@@ -1581,7 +1581,7 @@ def _decode_split_kernel(Q, K, V, BLOCK_TABLES, LENGTHS, OUT, O_PART, LSE_PART, 
                          BLOCK_N: tl.constexpr):
     """Kernel 1, one program per (row b, kv head, split s): keys [s * chunk, (s + 1) * chunk) of
     row b, cut at the row's length, against the GROUP query heads of the kv head.
-    Q (B, Hq, D); K, V (B, Hkv, S, D), or with PAGED (changed for part 2) pools of pages viewed
+    Q (B, Hq, D); K, V (B, Hkv, S, D), or with PAGED (the paged cache, chapter 25) pools viewed
     as (num_blocks, Hkv, PAGE, D), row b's keys found through BLOCK_TABLES (B, max_blocks) int32
     (row stride stride_tb; None unless PAGED); any strides, unit last stride. LENGTHS (B,): keys
     of each row (clamped to max_len, so a wrong one never reads past the cache or the table).
@@ -1979,6 +1979,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, lengt
         o = attention_torch(q_b.transpose(0, 1)[None].float(), k, v, positions)  # (1, Hq, T, D)
         out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
 # The bench (on a GPU): the kernel's GB/s against the copy bandwidth measured in the same run,
 # and its time against torch's scaled_dot_product_attention on the same cache.
 
@@ -3116,9 +3118,10 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
 SPEC_MIN_ACCEPTED = 0.5
 SPEC_PROBE_STEPS = 16
 
+
 class NgramProposer:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens. No model and no cache: it costs a search a sequence, and proposes nothing
+    """Prompt lookup (ngram_propose): the tokens that followed an earlier occurrence of the
+    sequence's last n tokens. No model and no cache: it costs a search a sequence, and proposes nothing
     where the text has not repeated itself."""
 
     def __init__(self, max_n=4):
@@ -4556,7 +4559,8 @@ class ModelRunner:
         if drafted[0].draft_probs is not None:  # a draft model's, (k, V) a sequence: zero-padded
             draft_probs = torch.zeros(len(drafted), K, probs.shape[-1], device=self.device)
             for row, seq in enumerate(drafted):
-                draft_probs[row, :len(seq.draft_tokens)] = seq.draft_probs
+                k = len(seq.draft_tokens)  # (the budget may have cut the draft short)
+                draft_probs[row, :k] = seq.draft_probs[:k]
         greedy = self._to_device([s.params.temperature < GREEDY_BELOW for s in drafted], torch.bool)
         generators = {row: s.generator for row, s in enumerate(drafted) if s.generator is not None}
         tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy,

@@ -1082,7 +1082,6 @@ def test_model_on_the_kernels_matches_its_torch_path(q7, hf_dir):
     assert [o.token_ids for o in kernels] == [o.token_ids for o in torch_path]
 
 
-
 @torch.no_grad()
 def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
     """With async_scheduling each step is launched before the tokens of the step before it are
@@ -1118,6 +1117,7 @@ def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
         for a, b in zip(ours.logprobs or (), theirs.logprobs or ()):
             assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)
     assert overlapped.generate(prompts[:1], params[0])[0].token_ids == expected[0].token_ids
+
 
 # -- decode attention: one query a row over the cache ------------------------------------------
 
@@ -2830,6 +2830,13 @@ def test_draft_model_speculation(q7, hf_dir):
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.stats["accepted_tokens"] < llm.engine.stats["draft_tokens"]
     assert_all_free(llm.engine)
+    # a budget of 6 tokens for several sequences of 1 + 3: the last ones' drafts are cut short
+    tight = q7.LLM(model, max_model_len=40, debug=True, max_num_batched_tokens=6,
+                   speculative={"method": "draft", "model": model, "num_tokens": 3})
+    outputs = tight.generate(prompts, sampled)
+    assert [len(o.token_ids) for o in outputs] == max_tokens
+    assert [o.token_ids for o in tight.generate(prompts, params)] == expected
+    assert_all_free(tight.engine)
 
 
 # --------------------------------------------- speculative decoding: proposals, rejection sampling
