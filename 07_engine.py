@@ -89,7 +89,7 @@ Run
     python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
     python 07_engine.py --bench          # what structured output costs on a 151,936-token
                                          # vocabulary; on a GPU, attention's GB/s, decode and
-                                         # offline tokens/s against transformers (~12 min)
+                                         # offline tokens/s against transformers
 Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
 through Triton's interpreter), greedy and sampled generations as text, batched against one by
 one, a generation under each kind of structured output (checked with Python's re and json),
