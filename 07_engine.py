@@ -3117,6 +3117,7 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
 # break-even.
 SPEC_MIN_ACCEPTED = 0.5
 SPEC_PROBE_STEPS = 16
+SPEC_SPLIT_CATCH_UP = 8  # a draft's catch-up of up to this many tokens runs as one-token rows
 
 
 class NgramProposer:
@@ -3146,8 +3147,15 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, seqs, ks):
         runner, previous = self.runner, None
-        entries = [(seq.token_ids[seq.num_draft_computed:], None, seq.num_draft_computed,
-                    seq.block_table, 1) for seq in seqs]
+        entries = []
+        for seq in seqs:  # a catch-up of a few tokens as one-token entries: a decode-shaped step
+            start = seq.num_draft_computed
+            ids = seq.token_ids[start:]
+            if len(ids) <= SPEC_SPLIT_CATCH_UP:
+                entries += [([t], None, start + i, seq.block_table, int(i == len(ids) - 1))
+                            for i, t in enumerate(ids)]
+            else:
+                entries.append((ids, None, start, seq.block_table, 1))
         drafts, probs, active = [[] for _ in seqs], [[] for _ in seqs], list(range(len(seqs)))
         for _ in range(max(ks)):
             logits = runner.forward(entries, previous)  # (B, V): each active sequence's next
@@ -4445,7 +4453,16 @@ class ModelRunner:
             if end - k == seq.num_tokens:  # all its tokens are in: it samples (k + 1 rows)
                 samples = k + 1
                 seqs.append(seq)
-            entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table, samples))
+            if k and len(ids) == 1:
+                # a decode and its drafts: k + 1 entries of one token each, at successive
+                # positions over the same blocks, as k + 1 decodes; each layer writes all their
+                # keys before any attends, so token i still sees tokens < i. The step is then
+                # decode-shaped, and its CUDA graph replays it
+                entries += [([t], None, start + i, seq.block_table, 1)
+                            for i, t in enumerate(ids + seq.draft_tokens)]
+            else:
+                entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table,
+                                samples))
             spans.append((seq, start, end))
         logits = self.forward(entries, previous.tokens if previous is not None else None)
         plain = [seq for seq in seqs if not seq.draft_tokens]
