@@ -28,6 +28,7 @@ rejection sampler's output distribution against the target's by a chi-square tes
 """
 import argparse
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -2597,8 +2598,9 @@ ENGINE_SETTINGS = {  # name -> LLM keywords: each forces another path of the sch
     "everything at once": dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=9,
                                max_num_seqs=4),
     "no prefix caching": dict(num_kv_blocks=14, block_size=4, enable_prefix_caching=False),
-    "n-gram speculation": dict(speculative={"method": "ngram", "num_tokens": 3}),
-    "n-gram under pressure": dict(speculative={"method": "ngram", "num_tokens": 3, "max_n": 2},
+    "n-gram speculation": dict(speculative={"method": "ngram", "num_tokens": 3, "min_accepted": 0}),
+    "n-gram under pressure": dict(speculative={"method": "ngram", "num_tokens": 3, "max_n": 2,
+                                               "min_accepted": 0},
                                   num_kv_blocks=14, block_size=4, max_num_batched_tokens=9),
 }
 
@@ -2787,7 +2789,9 @@ def test_speculation_follows_its_acceptance(q7, hf_dir):
     """n-gram speculation on a prompt whose greedy continuation repeats itself (this tiny model
     writes one token 34 times after it: lookup finds the run) accepts most of what it proposes;
     on a prompt whose continuation does not repeat, a sequence stops proposing once its mean
-    acceptance falls below min_accepted, and only probes every SPEC_PROBE_STEPS steps."""
+    acceptance falls below min_accepted, only probes every SPEC_PROBE_STEPS steps, and its
+    other steps overlap as they do without speculation; a batch speculates only while its
+    sequences' gains together pay for the wait."""
     hf, folder = hf_dir
     model = q7.load_qwen3(folder, device="cpu")
     spec = q7.LLM(model, max_model_len=64, speculative={"method": "ngram", "num_tokens": 4})
@@ -2801,21 +2805,52 @@ def test_speculation_follows_its_acceptance(q7, hf_dir):
                    speculative={"method": "ngram", "num_tokens": 4, "min_accepted": 10})
     never.generate([random_ids(5, seed=41)], q7.SamplingParams(temperature=0, max_tokens=40,
                                                               ignore_eos=True))
-    # min_accepted 10 > k: after its first verification it only probes: 1 + 39 // 16 at most
+    # min_accepted 10 > k: after its first verification it only probes: 1 + 39 // 16 at most;
+    # between probes its steps overlap again (async scheduling), as without speculation
     assert never.engine.stats["steps"] - 1 >= 36 and never.engine.counts["verified"] <= 3
+    assert never.engine.counts["overlapped"] >= 30
+    # beside 7 sequences whose text does not repeat, the repeating one's gains do not pay for
+    # the wait that speculating puts on all 8 (SPEC_SYNC_COST): the batch overlaps its steps
+    batch = q7.LLM(model, max_model_len=64, speculative={"method": "ngram", "num_tokens": 4})
+    prompts = [repeats] + [random_ids(5, seed=41 + i) for i in range(7)]
+    outs = batch.generate(prompts, q7.SamplingParams(temperature=0, max_tokens=34, ignore_eos=True))
+    assert outs[0].token_ids == hf_greedy(hf, repeats, 34)
+    assert batch.engine.stats["steps"] >= 34 and batch.engine.counts["overlapped"] >= 25
+
+
+def test_speculation_thresholds(q7):
+    """min_accepted by default: SPEC_MIN_ACCEPTED for n-gram lookup; for a draft model, plus k
+    times its share of the target's parameters (counted here independently), since each of its
+    k steps reads its weights as a target step reads the target's; a given one is kept."""
+    target = q7.Qwen3(q7.Qwen3Config.tiny())
+    small = q7.Qwen3(dataclasses.replace(q7.Qwen3Config.tiny(), num_hidden_layers=1))
+    size = {m: sum(p.numel() for _, p in m.named_parameters()) for m in (target, small)}
+    assert size[small] < size[target]
+
+    def threshold(spec):
+        return q7.make_proposer(spec, target, 8, 16, 64, True)[2]
+    base = q7.SPEC_MIN_ACCEPTED
+    assert threshold({"method": "ngram", "num_tokens": 3}) == base
+    assert threshold({"method": "draft", "model": target, "num_tokens": 3}) == pytest.approx(
+        base + 3)
+    assert threshold({"method": "draft", "model": small, "num_tokens": 5}) == pytest.approx(
+        base + 5 * size[small] / size[target])
+    assert threshold({"method": "draft", "model": small, "min_accepted": 0.25}) == 0.25
 
 
 @torch.no_grad()
 def test_draft_model_speculation(q7, hf_dir):
     """The target itself as the draft: every draft accepted, greedy and sampled (q = p), so each
     step verifies k + 1 tokens; greedy output equals the target's own; a different draft
-    model (random weights) gets few accepted, and the output is still the target's."""
+    model (random weights) gets few accepted, and the output is still the target's. (Always on:
+    by default a draft as large as the target would need more than k accepted to pay.)"""
     hf, folder = hf_dir
     model = q7.load_qwen3(folder, device="cpu")
     prompts, max_tokens = mixed_requests(6, seed=8)
     params = [q7.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     same = q7.LLM(model, max_model_len=40, debug=True,
-                  speculative={"method": "draft", "model": model, "num_tokens": 3})
+                  speculative={"method": "draft", "model": model, "num_tokens": 3,
+                               "min_accepted": 0})
     expected = hf_greedy_all(hf, prompts, max_tokens)
     assert [o.token_ids for o in same.generate(prompts, params)] == expected
     stats = same.engine.stats
@@ -2832,7 +2867,8 @@ def test_draft_model_speculation(q7, hf_dir):
     assert_all_free(llm.engine)
     # a budget of 6 tokens for several sequences of 1 + 3: the last ones' drafts are cut short
     tight = q7.LLM(model, max_model_len=40, debug=True, max_num_batched_tokens=6,
-                   speculative={"method": "draft", "model": model, "num_tokens": 3})
+                   speculative={"method": "draft", "model": model, "num_tokens": 3,
+                               "min_accepted": 0})
     outputs = tight.generate(prompts, sampled)
     assert [len(o.token_ids) for o in outputs] == max_tokens
     assert [o.token_ids for o in tight.generate(prompts, params)] == expected
