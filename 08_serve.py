@@ -34,22 +34,36 @@ Run
 
 import argparse
 import base64
+import bisect
+import codecs
 import contextlib
 import functools
 import hashlib
+import hmac
+import http.client
 import json
+import logging
 import math
 import numbers
 import os
+import queue
 import re
+import signal
+import socket
 import sys
+import tempfile
+import threading
 import time
 import unicodedata
+import urllib.parse
+import uuid
 import warnings
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -4934,6 +4948,1194 @@ def grammar_vocab(tokenizer, vocab_size):
 
 
 # ----------------------------------------------------------------------------------------------
+# Chapter 35. The text boundary: token ids become text, a piece at a time
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 08. A stream sends text as the tokens arrive, which is harder than decoding each
+# token. A byte-level BPE token may end inside a UTF-8 character ("€" is three bytes, and may
+# come in two or three tokens): decoded alone, its piece is U+FFFD. So the bytes of an unfinished
+# character wait for the rest, in an incremental UTF-8 decoder that carries only that tail
+# (decoding every token again at each step would cost O(n^2) over a long answer). The pieces
+# then add up to the decode of all the tokens at once, U+FFFD included where bytes can never
+# form a character.
+#
+# Stop strings are matched in the text, not in the tokens: "STOP" may come as "ST" + "OP", as
+# " STO" + "P", or inside one token. Text that could still become a stop string (a tail that
+# begins one) is held back until the next tokens decide. Once one is found, the text before it
+# is final, nothing after it is sent, and the request ends with finish_reason "stop" (the
+# server aborts its engine request: the engine knows nothing of text).
+
+def _token_data(token_bytes, token_id):
+    """The bytes a token writes: b"" for the ids past the tokenizer's (Qwen3's model scores
+    151,936 ids, its tokenizer defines 151,669)."""
+    return token_bytes[token_id] if token_id < len(token_bytes) else b""
+
+
+class Detokenizer:
+    """One request's token ids -> text, a piece at a time. Never emits half a UTF-8 character: an
+    incremental decoder holds back a multi-byte character split across tokens until its last
+    byte arrives (and turns bytes that can never form one into U+FFFD, as a full decode does),
+    so that the pieces add up to the decode of all the tokens. Special tokens write no text
+    (vLLM's skip_special_tokens). stop: strings that end the text; text that may be the start of
+    one is held back until decided, and one found ends the text just before it (`stopped`)."""
+
+    def __init__(self, token_bytes, special_ids, stop=()):
+        self.token_bytes, self.special_ids = token_bytes, special_ids
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stop = [s for s in stop if s]
+        self.held = ""  # decoded text not emitted yet: it may begin a stop string
+        self.stopped = False  # a stop string was found: nothing more is emitted
+
+    def add(self, token_id):
+        """The text this token makes final ('' if none yet)."""
+        if self.stopped:
+            return ""
+        data = b"" if token_id in self.special_ids else _token_data(self.token_bytes, token_id)
+        return self._release(self.held + self.utf8.decode(data))
+
+    def finish(self):
+        """At the end of the request: what was held back (an unfinished character as U+FFFD)."""
+        if self.stopped:
+            return ""
+        text, self.held = self.held + self.utf8.decode(b"", final=True), ""
+        return self._cut_at_stop(text)[0]
+
+    def _release(self, text):
+        text, found = self._cut_at_stop(text)
+        if found:
+            return text
+        keep = self._longest_stop_prefix(text)  # the tail that may yet become a stop string
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def _cut_at_stop(self, text):
+        """(text up to the earliest stop string, True), or (text, False) when there is none. The
+        text emitted before never holds one: its tails that began one were held back."""
+        starts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if not starts:
+            return text, False
+        self.stopped, self.held = True, ""
+        return text[:min(starts)], True
+
+    def _longest_stop_prefix(self, text):
+        """The length of the longest suffix of text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+def token_text(token_bytes, token_id):
+    """How logprobs name a token: its text or, when its bytes are not UTF-8 on their own (a piece
+    of a character), "bytes:" and the bytes escaped, as OpenAI's API writes them."""
+    data = _token_data(token_bytes, token_id)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 36. The server: requests, checked
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 08. The server speaks the OpenAI API, so that any OpenAI client works unchanged
+# (vLLM's behaviour where OpenAI's is silent). A request body is checked field by field before
+# the engine hears of it: a missing or wrongly typed field, an unknown one, a value out of range
+# is a 400 in OpenAI's error envelope, {"error": {"message", "type", "param", "code"}}, naming
+# the field. What passes becomes a list of SamplingParams, one per choice: n choices of a prompt
+# are n engine requests (with a seed, choice j uses seed + j, so that they differ and each can be
+# drawn again alone). The engine checks the rest (the prompt and max_tokens against the context,
+# the token ids against the vocabulary) and its ValueError is a 400 as well.
+
+MAX_CHOICES = 128  # prompts x n in one request
+MAX_STOP = 4  # stop strings in one request (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
+
+
+class APIError(Exception):
+    """An error answered with `status` in OpenAI's envelope. param: the field it is about."""
+
+    def __init__(self, message, status=400, param=None, code=None, headers=()):
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+
+    def body(self):
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"  # as OpenAI's
+        return {"error": {"message": str(self), "type": kind, "param": self.param,
+                          "code": self.code}}
+
+
+def _short(value):
+    """A JSON value, cut for an error message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_bool(x):
+    return isinstance(x, bool)
+
+
+def _is_str(x):
+    return isinstance(x, str)
+
+
+def _is_object(x):
+    return isinstance(x, dict)
+
+
+def _is_ids(x):
+    return isinstance(x, list) and bool(x) and all(_is_int(t) for t in x)
+
+
+def field(body, name, ok, what, default=None, where=""):
+    """body[name] if the predicate ok accepts it, `default` when it is absent or null; anything
+    else is a 400 naming the field (`where` prefixes a nested field's name)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not ok(value):
+        raise APIError(f"'{where}{name}' must be {what}, got {_short(value)}",
+                       param=where + name)
+    return value
+
+
+def check_fields(body, known, where=""):
+    """An unknown field is an error rather than ignored: a client that sends one expects it to
+    do something this server does not do (OpenAI answers the same)."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise APIError(f"unknown or unsupported field '{where}{unknown[0]}'",
+                       param=where + unknown[0])
+
+
+COMMON_FIELDS = frozenset({
+    "model", "n", "stop", "seed", "stream", "stream_options", "max_tokens", "temperature",
+    "top_p", "presence_penalty", "frequency_penalty", "response_format", "user", "logit_bias",
+    "top_k", "min_p", "repetition_penalty", "ignore_eos"})  # the last four: vLLM's extras
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                               "chat_template_kwargs"}
+# accepted with the value that asks for nothing only
+NOTHING_ASKED = {"echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {})}
+
+
+def _json_object_regex(depth):
+    """response_format json_object as a regex for stage 07's structured output: a compact JSON
+    object whose values nest at most `depth` more objects or arrays. JSON is not a regular
+    language, but JSON nested to a bounded depth is, and the automaton grows about 4x a level
+    (depth 2: 2,182 states, compiled in 0.1 s)."""
+    string = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+    scalar = rf"(?:{string}|-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)"
+
+    def members(value):
+        return rf"\{{(?:{string}:{value}(?:,{string}:{value})*)?\}}"
+
+    value = scalar
+    for _ in range(depth):
+        value = rf"(?:{scalar}|{members(value)}|\[(?:{value}(?:,{value})*)?\])"
+    return members(value)
+
+
+JSON_OBJECT_REGEX = _json_object_regex(depth=2)
+
+
+@dataclass
+class Generation:
+    """A /v1/completions or /v1/chat/completions request, checked: what the engine runs, and
+    how the answer is written."""
+    chat: bool
+    prompts: list  # each prompt's token ids
+    params: list  # each choice's SamplingParams: prompt i's choice j is choice i * n + j
+    n: int
+    stop: tuple  # stop strings
+    stream: bool
+    include_usage: bool  # (streams) a last chunk with the usage
+    logprobs: int | None  # top logprobs a token; None: no logprobs
+
+
+def generation_request(body, chat, tokenizer, vocab_size):
+    """The Generation of a completion (chat=False) or chat completion body; an APIError (400)
+    names the first bad field."""
+    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    for name, nothing in NOTHING_ASKED.items():
+        if body.get(name) not in nothing:
+            raise APIError(f"'{name}' is not supported by this server", param=name)
+    integer = (_is_int, "an integer")
+    if chat:
+        prompts = [tokenizer.encode(chat_prompt(body, tokenizer))]
+        max_tokens = field(body, "max_completion_tokens", *integer,  # default: up to the context
+                           field(body, "max_tokens", *integer))
+        logprobs = chat_logprobs_asked(body)
+    else:
+        prompts = completion_prompts(body, tokenizer)
+        max_tokens = field(body, "max_tokens", *integer, 16)  # OpenAI's default
+        logprobs = field(body, "logprobs", lambda x: _is_int(x) and 0 <= x <= MAX_TOP_LOGPROBS,
+                         f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+    n = field(body, "n", lambda x: _is_int(x) and x >= 1, "a positive integer", 1)
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(f"{len(prompts)} prompts x n = {n} choices: at most {MAX_CHOICES}",
+                       param="n")
+    stream = field(body, "stream", _is_bool, "true or false", False)
+    options = field(body, "stream_options", _is_object, "an object")
+    if options is not None and not stream:
+        raise APIError("'stream_options' is allowed only with 'stream': true",
+                       param="stream_options")
+    check_fields(options or {}, {"include_usage"}, "stream_options.")
+    include_usage = field(options or {}, "include_usage", _is_bool, "true or false", False,
+                          "stream_options.")
+    seed = field(body, "seed", *integer)
+    kwargs = dict(max_tokens=max_tokens, logprobs=logprobs,
+                  **sampling_fields(body, vocab_size), **structured_output(body))
+    try:
+        params = [SamplingParams(**kwargs, seed=None if seed is None else seed + j)
+                  for _ in prompts for j in range(n)]
+    except (ValueError, RecursionError) as e:  # (a schema nested deeper than Python recurses)
+        named = re.match(r"SamplingParams\.(\w+)", str(e))
+        raise APIError(str(e), param=named and named[1]) from None
+    return Generation(chat, prompts, params, n, stop_strings(body), stream, include_usage,
+                      logprobs)
+
+
+def sampling_fields(body, vocab_size):
+    """The sampling fields of both endpoints, typed here; their ranges are SamplingParams'."""
+    number = (_is_number, "a number")
+    top_k = field(body, "top_k", _is_int, "an integer", 0)
+    return dict(
+        temperature=field(body, "temperature", *number, 1.0),
+        top_p=field(body, "top_p", *number, 1.0),
+        top_k=0 if top_k == -1 or top_k >= vocab_size else top_k,  # -1: all, as in vLLM
+        min_p=field(body, "min_p", *number, 0.0),
+        repetition_penalty=field(body, "repetition_penalty", *number, 1.0),
+        presence_penalty=field(body, "presence_penalty", *number, 0.0),
+        frequency_penalty=field(body, "frequency_penalty", *number, 0.0),
+        ignore_eos=field(body, "ignore_eos", _is_bool, "true or false", False))
+
+
+def structured_output(body):
+    """response_format as stage 07's structured output: {"type": "text"} (none), "json_object"
+    (JSON_OBJECT_REGEX) or "json_schema" with its "schema"."""
+    fmt = field(body, "response_format", _is_object, "an object")
+    if fmt is None or fmt.get("type") == "text":
+        return {}
+    check_fields(fmt, {"type", "json_schema"}, "response_format.")
+    if fmt.get("type") == "json_object":
+        return {"regex": JSON_OBJECT_REGEX}
+    if fmt.get("type") != "json_schema":
+        raise APIError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', "
+                       f"got {_short(fmt.get('type'))}", param="response_format.type")
+    where = "response_format.json_schema."
+    spec = field(fmt, "json_schema", _is_object, "an object", {}, "response_format.")
+    check_fields(spec, {"name", "schema", "strict", "description"}, where)
+    schema = field(spec, "schema", _is_object, "a JSON schema (an object)", where=where)
+    if schema is None:
+        raise APIError(f"'{where}schema' is required", param=where + "schema")
+    return {"json_schema": schema}
+
+
+def stop_strings(body):
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOP
+            and all(isinstance(s, str) and s for s in stop)):
+        raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP}, got "
+                       f"{_short(body['stop'])}", param="stop")
+    return tuple(stop)
+
+
+def completion_prompts(body, tokenizer):
+    """Each prompt's token ids. prompt: a string, a list of token ids, or a list of either (a
+    batch of prompts)."""
+    prompt = body.get("prompt")
+    batch = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    if not (isinstance(batch, list) and batch and all(_is_str(p) or _is_ids(p) for p in batch)):
+        raise APIError(f"'prompt' must be a string, a list of token ids, or a non-empty list of "
+                       f"those, got {_short(prompt)}", param="prompt")
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+
+
+def chat_prompt(body, tokenizer):
+    """The messages in the model's chat format (stage 07's apply_chat_template). A message's
+    content is a string or a list of text parts; enable_thinking comes in vLLM's
+    chat_template_kwargs."""
+    messages = field(body, "messages", lambda x: isinstance(x, list) and bool(x),
+                     "a non-empty list of messages")
+    if messages is None:
+        raise APIError("'messages' is required", param="messages")
+    turns = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]."
+        if not isinstance(message, dict):
+            raise APIError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        check_fields(message, {"role", "content", "name"}, where)
+        role = field(message, "role", _is_str, "a string", where=where)
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                             and _is_str(part.get("text")) for part in content):
+            content = "".join(part["text"] for part in content)
+        if not _is_str(content):
+            raise APIError(f"'{where}content' must be a string or a list of text parts "
+                           f"({{\"type\": \"text\", \"text\": ...}})", param=where + "content")
+        turns.append({"role": role, "content": content})
+    options = field(body, "chat_template_kwargs", _is_object, "an object", {})
+    check_fields(options, {"enable_thinking"}, "chat_template_kwargs.")
+    thinking = field(options, "enable_thinking", _is_bool, "true or false", True,
+                     "chat_template_kwargs.")
+    try:
+        return tokenizer.apply_chat_template(turns, enable_thinking=thinking)
+    except ValueError as e:  # a role it does not know, or a model without a chat template
+        raise APIError(str(e), param="messages") from None
+
+
+def chat_logprobs_asked(body):
+    """Chat's logprobs (true or false) and top_logprobs (how many): top logprobs a token, or
+    None."""
+    wanted = field(body, "logprobs", _is_bool, "true or false", False)
+    top = field(body, "top_logprobs", lambda x: _is_int(x) and 0 <= x <= MAX_TOP_LOGPROBS,
+                f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+    if top is not None and not wanted:
+        raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 36. The server: one engine thread
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 08. The HTTP server gives each connection a thread, and many of them wait for
+# tokens at once; the engine is not thread-safe and should not be: one engine thread owns it
+# and alone calls add, abort and step. An HTTP thread hands it a Job (the request's choices)
+# through a queue of commands and waits on the Job's own queue of replies: "accepted" or
+# "refused" first (the engine's ValueError, answered 400 before any byte of a response), then
+# each step's new tokens of each choice. The engine thread blocks while it has nothing to do,
+# and steps while it has; after a step it forwards to each request the tokens past the count it
+# forwarded before (a step makes one token a sequence, or several under speculation), never
+# the whole output again. A client's thread that sees its client gone (a failed write, or a
+# closed socket while it waits) sends an abort, which the engine thread applies before its next
+# step: the request's blocks are free at once.
+
+class Job:
+    """One HTTP request's choices, each an engine request, and the queue of what comes back:
+    ("accepted",), ("refused", message), ("tokens", choice, new token ids, their logprobs,
+    finish_reason or None, the eos or stop id that ended it or None), ("failed", status,
+    message)."""
+
+    def __init__(self, request_id, prompts, params):
+        self.n = len(params) // len(prompts)  # choices a prompt
+        self.requests = [(f"{request_id}-{i}", prompts[i // self.n], p)
+                         for i, p in enumerate(params)]
+        self.replies = queue.SimpleQueue()
+        self.arrival = time.perf_counter()  # the clock of time to first token
+
+
+@dataclass(eq=False)
+class Choice:
+    """The engine thread's record of one live engine request."""
+    job: Job
+    index: int  # in job.requests
+    sent: int = 0  # output tokens forwarded so far
+    first: float = 0.0  # when its first token was forwarded (perf_counter)
+    last: float = 0.0  # and its last
+
+
+class EngineThread:
+    """The thread that owns an LLM's engine (see above). Commands: add(job), abort(job, choices,
+    reason), stop(). wait_idle() waits until the engine has no request left and no command is
+    waiting: for tests and benches, which then read the engine's state."""
+
+    def __init__(self, llm, metrics):
+        self.engine, self.metrics = llm.engine, metrics
+        self.commands = queue.SimpleQueue()
+        self.live = {}  # engine request id -> Choice, until it ends
+        self.idle, self.idle_changed = True, threading.Condition()
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.thread.start()
+
+    def add(self, job):
+        self._put(("add", job))
+
+    def abort(self, job, choices=None, reason="abort"):
+        """End a job's choices (default: all) still in the engine; reason, for the metrics: "stop"
+        (a stop string ended it) or "abort"."""
+        self._put(("abort", job, choices, reason))
+
+    def stop(self, timeout):
+        """Abort everything (each waiting job gets "failed", 503) and end the thread."""
+        self._put(("stop",))
+        self.thread.join(timeout)
+
+    def wait_idle(self, timeout=None):
+        with self.idle_changed:
+            return self.idle_changed.wait_for(lambda: self.idle, timeout)
+
+    def _put(self, command):
+        with self.idle_changed:
+            self.idle = False
+            self.commands.put(command)
+
+    def run(self):
+        with torch.inference_mode():  # (grad mode is per thread)
+            while True:
+                try:
+                    for command in self._next_commands():
+                        if command[0] == "stop":
+                            self._stop()
+                            return
+                        getattr(self, "_" + command[0])(*command[1:])
+                    if self.engine.has_unfinished():
+                        self._step()
+                    self._publish()
+                except Exception:  # a bug: end the requests it touched, keep serving the rest
+                    LOG.exception("the engine failed; its requests end with an error")
+                    self._fail_all(500, "internal error in the engine (logged by the server)")
+
+    def _next_commands(self):
+        """The commands waiting; while the engine has nothing to do, block for one."""
+        if not self.engine.has_unfinished():
+            with self.idle_changed:
+                self.idle = self.commands.empty()
+                self.idle_changed.notify_all()
+            commands = [self.commands.get()]
+        else:
+            commands = []
+        while not self.commands.empty():
+            commands.append(self.commands.get())
+        return commands
+
+    def _add(self, job):
+        seqs = []  # every choice checked before any is queued: a job runs whole or not at all
+        for index, (request_id, prompt, params) in enumerate(job.requests):
+            try:
+                seqs.append(self.engine.new_sequence(request_id, prompt, params))
+            except ValueError as e:  # its message names the engine's request id: the client's
+                name = "the prompt" if len(job.requests) == job.n else f"prompt {index // job.n}"
+                job.replies.put(("refused", str(e).replace(f"prompt {request_id!r}", name)))
+                return
+        for index, seq in enumerate(seqs):
+            self.engine.add_sequence(seq)
+            self.live[seq.request_id] = Choice(job, index)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += sum(seq.num_prompt_tokens for seq in seqs)
+        job.replies.put(("accepted",))
+
+    def _abort(self, job, choices, reason):
+        for index in range(len(job.requests)) if choices is None else choices:
+            request_id = job.requests[index][0]
+            choice = self.live.pop(request_id, None)
+            if choice is not None:  # (it may have ended in the meantime)
+                self.engine.abort(request_id)
+                self._ended(choice, reason)
+
+    def _step(self):
+        advanced = self.engine.advance()
+        now, generated = time.perf_counter(), 0
+        for seq in advanced:
+            choice = self.live.get(seq.request_id)
+            if choice is None:
+                continue
+            new = seq.token_ids[seq.num_prompt_tokens + choice.sent:]
+            logprobs = None if seq.logprobs is None else seq.logprobs[choice.sent:]
+            if choice.sent == 0:
+                choice.first = now
+                with self.metrics.lock:
+                    self.metrics.ttft.observe(now - choice.job.arrival)
+            choice.sent += len(new)
+            choice.last = now
+            generated += len(new)
+            choice.job.replies.put(("tokens", choice.index, new, logprobs, seq.finish_reason,
+                                    seq.stop_token_id))
+            if seq.is_finished:
+                del self.live[seq.request_id]
+                self._ended(choice, seq.finish_reason)
+        with self.metrics.lock:
+            self.metrics.generation_tokens += generated
+
+    def _ended(self, choice, reason):
+        with self.metrics.lock:
+            self.metrics.finished[reason] += 1
+            if choice.sent > 1:
+                self.metrics.tpot.observe((choice.last - choice.first) / (choice.sent - 1))
+
+    def _fail_all(self, status, message):
+        """End every live request (each job hears once) and clear the engine."""
+        jobs = {id(choice.job): choice.job for choice in self.live.values()}
+        for job in jobs.values():
+            job.replies.put(("failed", status, message))
+        for choice in self.live.values():
+            self._ended(choice, "abort")
+        self.live.clear()
+        try:
+            self.engine.reset()  # aborts what is left, and waits for the step in flight
+        except Exception:
+            LOG.exception("the engine could not be reset")
+
+    def _stop(self):
+        self._fail_all(503, "the server is shutting down")
+        with self.idle_changed:
+            self.idle = True
+            self.idle_changed.notify_all()
+
+    def _publish(self):
+        """The engine's state, for /metrics."""
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        stats = self.engine.stats
+        with self.metrics.lock:
+            self.metrics.engine = dict(
+                running=len(scheduler.running), waiting=len(scheduler.waiting),
+                blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+                blocks_total=blocks.num_blocks, prefix_hit_rate=stats["prefix_hit_rate"],
+                draft_tokens=stats["draft_tokens"], accepted_tokens=stats["accepted_tokens"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 36. The server: metrics
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 08. GET /metrics in Prometheus' text format (0.0.4), which any Prometheus scrapes:
+# the engine's state after its last step (requests running and waiting, KV blocks, the prefix
+# cache's hit rate, speculation's drafts), counters since the start, and two latency
+# histograms: time to first token (from the request's arrival) and time per output token after
+# the first, the two numbers a serving benchmark reports.
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0)  # seconds, vLLM's
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class Histogram:
+    """Prometheus' histogram: a count per bucket (observations <= its bound), their sum."""
+
+    def __init__(self, bounds):
+        self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
+
+    def observe(self, value):
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def lines(self, name):
+        total, lines = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts):
+            total += count  # Prometheus' buckets are cumulative
+            lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else bound}"}} {total}')
+        return lines + [f"{name}_sum {self.sum}", f"{name}_count {total}"]
+
+
+class Metrics:
+    """The server's numbers: written by the engine thread, read by /metrics, under `lock`."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.engine = dict(running=0, waiting=0, blocks_used=0, blocks_total=0,
+                           prefix_hit_rate=0.0, draft_tokens=0, accepted_tokens=0)
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished = Counter()  # finish_reason -> engine requests
+        self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
+
+    def render(self):
+        """The text of GET /metrics."""
+        with self.lock:
+            e = self.engine
+            metrics = [  # (name, type, help, [(labels, value)] or a Histogram)
+                ("num_requests_running", "gauge", "Requests in the engine's running batch.",
+                 e["running"]),
+                ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
+                 e["waiting"]),
+                ("kv_cache_blocks_used", "gauge", "KV cache blocks in use.", e["blocks_used"]),
+                ("kv_cache_blocks_total", "gauge", "KV cache blocks in the pool.",
+                 e["blocks_total"]),
+                ("prefix_cache_hit_rate", "gauge",
+                 "Of the prompt tokens looked up, those found in the prefix cache.",
+                 e["prefix_hit_rate"]),
+                ("prompt_tokens_total", "counter", "Prompt tokens of the requests accepted.",
+                 self.prompt_tokens),
+                ("generation_tokens_total", "counter", "Tokens generated.",
+                 self.generation_tokens),
+                ("request_success_total", "counter", "Engine requests ended, by finish reason.",
+                 [(f'finished_reason="{r}"', self.finished[r]) for r in FINISH_REASONS]),
+                ("spec_decode_draft_tokens_total", "counter", "Speculative tokens proposed.",
+                 e["draft_tokens"]),
+                ("spec_decode_accepted_tokens_total", "counter", "Speculative tokens accepted.",
+                 e["accepted_tokens"]),
+                ("time_to_first_token_seconds", "histogram",
+                 "From a request's arrival to its first token.", self.ttft),
+                ("time_per_output_token_seconds", "histogram",
+                 "Between the tokens of a request after its first.", self.tpot)]
+            lines = []
+            for name, kind, help_text, value in metrics:
+                name = "serve_" + name
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+                if isinstance(value, Histogram):
+                    lines += value.lines(name)
+                elif isinstance(value, list):
+                    lines += [f"{name}{{{labels}}} {v}" for labels, v in value]
+                else:
+                    lines.append(f"{name} {value}")
+        return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 36. The server: HTTP
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 08. The standard library's ThreadingHTTPServer: a thread per connection, HTTP/1.1
+# with keep-alive (the openai client reuses its connections). What a broken or hostile client
+# can do is bounded: the request line and the headers have a size limit (414, 431), the body
+# too (413, refused before it is read), and every read and write on the socket times out
+# (`timeout`), so that a client that stalls holds its thread that long at most. A stream is
+# server-sent events, `data: {json}\n\n` a chunk, ending with `data: [DONE]`, in HTTP's chunked
+# transfer encoding, so that the connection stays open for the next request.
+#
+# A generation's HTTP thread: the body is checked (generation_request), the Job goes to the
+# engine thread, and once it is accepted the tokens that come back become text, each choice
+# through its own Detokenizer (ChoiceText), written as one response at the end or as a stream's
+# chunks as they come (Answer writes OpenAI's objects). A choice that meets a stop string is
+# aborted in the engine. Whatever ends the thread's work early (a client gone, a failed write,
+# an error) aborts the choices still running.
+
+LOG = logging.getLogger("08_serve")
+POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
+MAX_REQUEST_LINE = 8192  # bytes of "POST /v1/completions HTTP/1.1" (414 beyond)
+MAX_HEADER_BYTES = 64 << 10  # of all the header lines together (431 beyond)
+ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/metrics": {"GET": "metrics"},
+          "/v1/models": {"GET": "models"}, "/v1/completions": {"POST": "completions"},
+          "/v1/chat/completions": {"POST": "chat_completions"},
+          "/tokenize": {"POST": "tokenize"}, "/detokenize": {"POST": "detokenize"}}
+OPEN_ROUTES = ("/", "/health")  # no API key needed
+
+# The chat page at GET /: HTML and JavaScript in one string, no external assets.
+# PLACEHOLDER: the page is being written separately (issue 20); this one only says so.
+CHAT_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>08_serve</title></head>
+<body><p>08_serve: the chat page is not written yet. The OpenAI API is under /v1.</p></body>
+</html>
+"""
+
+
+class ChoiceText:
+    """One choice as its HTTP thread sees it: its tokens become text (a Detokenizer, with the
+    request's stop strings) and logprob entries; it counts them (usage) and knows how it
+    ended."""
+
+    def __init__(self, index, tokenizer, stop, logprobs):
+        self.index = index
+        self.detokenizer = Detokenizer(tokenizer.token_bytes, tokenizer.special_ids, stop)
+        self.with_logprobs = logprobs is not None
+        self.pieces, self.entries = [], []  # its text so far; (token id, {id: logprob}) a token
+        self.num_tokens = 0  # generated, the eos that ended it included (usage)
+        self.finish_reason = None
+        self.offset = 0  # completions' text_offset: characters of the tokens' texts so far
+
+    def add(self, tokens, logprobs, finish_reason, stop_token_id):
+        """A step's new tokens; returns their text and logprob entries. The eos or stop id that
+        ended the request counts as a token, and writes neither text nor a logprob."""
+        pieces, entries = [], []
+        for i, token in enumerate(tokens):
+            self.num_tokens += 1
+            if token == stop_token_id and i == len(tokens) - 1:
+                break
+            pieces.append(self.detokenizer.add(token))
+            if self.with_logprobs:
+                entries.append((token, logprobs[i]))
+            if self.detokenizer.stopped:  # the tokens after it were never part of the answer
+                break
+        if self.detokenizer.stopped:
+            self.finish_reason = "stop"
+        elif finish_reason is not None:
+            pieces.append(self.detokenizer.finish())
+            self.finish_reason = finish_reason
+        text = "".join(pieces)
+        self.pieces.append(text)
+        self.entries += entries
+        return text, entries
+
+
+class Answer:
+    """OpenAI's objects for the choices of a Generation: the response, or a stream's chunks."""
+
+    def __init__(self, request, model_name, token_bytes):
+        self.request, self.model, self.token_bytes = request, model_name, token_bytes
+        self.id = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.chunk_object = "chat.completion.chunk" if request.chat else "text_completion"
+
+    def _object(self, kind, choices, **extra):
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def response(self, choices):
+        """The whole answer, without a stream."""
+        items = []
+        for c in choices:
+            text = "".join(c.pieces)
+            content = {"message": {"role": "assistant", "content": text}} if self.request.chat \
+                else {"text": text}
+            items.append({"index": c.index, **content, "logprobs": self.logprobs(c, c.entries),
+                          "finish_reason": c.finish_reason})
+        kind = "chat.completion" if self.request.chat else "text_completion"
+        return self._object(kind, items, usage=self.usage(choices))
+
+    def role_chunk(self, choice):
+        """A chat stream's first chunk of a choice."""
+        return self._object(self.chunk_object, [{
+            "index": choice.index, "delta": {"role": "assistant", "content": ""},
+            "logprobs": None, "finish_reason": None}])
+
+    def chunk(self, choice, text, entries):
+        """A stream's chunk of one choice: its new text and logprobs; finish_reason is null
+        but on its last chunk."""
+        item = {"index": choice.index}
+        if self.request.chat:
+            item["delta"] = {"content": text} if text or choice.finish_reason is None else {}
+        else:
+            item["text"] = text
+        item.update(logprobs=self.logprobs(choice, entries), finish_reason=choice.finish_reason)
+        return self._object(self.chunk_object, [item])
+
+    def usage_chunk(self, choices):
+        """include_usage: the stream's last chunk, the only one with a usage."""
+        return self._object(self.chunk_object, [], usage=self.usage(choices))
+
+    def usage(self, choices):
+        prompt = sum(map(len, self.request.prompts))  # a prompt counts once, whatever its n
+        completion = sum(c.num_tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def logprobs(self, choice, entries):
+        """OpenAI's logprobs of these entries, or None when not asked for. Chat: per token its
+        text, logprob, UTF-8 bytes and top_logprobs, the k likeliest. Completions: parallel
+        lists, top_logprobs a {text: logprob} of the k likeliest and the sampled token."""
+        k = self.request.logprobs
+        if k is None:
+            return None
+        if self.request.chat:
+            return {"content": [{**self._token(t, lps[t]), "top_logprobs": [
+                self._token(i, lp) for i, lp in _likeliest(lps)[:k]]} for t, lps in entries]}
+        tokens, offsets = [token_text(self.token_bytes, t) for t, _ in entries], []
+        for text in tokens:
+            offsets.append(choice.offset)
+            choice.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lps[t] for t, lps in entries],
+                "top_logprobs": [{token_text(self.token_bytes, i): lp for i, lp in _likeliest(lps)}
+                                 for _, lps in entries],
+                "text_offset": offsets}
+
+    def _token(self, token_id, logprob):
+        return {"token": token_text(self.token_bytes, token_id), "logprob": logprob,
+                "bytes": list(_token_data(self.token_bytes, token_id))}
+
+
+def _likeliest(logprobs):
+    """The engine's {id: logprob} of a token (the sampled id and the top ones), likeliest first."""
+    return sorted(logprobs.items(), key=lambda item: -item[1])
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request ran."""
+
+
+class _HeaderLimit:
+    """The request's file while http.server parses the headers: it reads them a line at a time,
+    and past MAX_HEADER_BYTES in all this raises LineTooLong, which parse_request answers 431."""
+
+    def __init__(self, rfile):
+        self.rfile, self.left = rfile, MAX_HEADER_BYTES
+
+    def readline(self, size=-1):
+        line = self.rfile.readline(self.left + 1 if size < 0 else min(size, self.left + 1))
+        self.left -= len(line)
+        if self.left < 0:
+            raise http.client.LineTooLong(f"the headers are over {MAX_HEADER_BYTES:,} bytes")
+        return line
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests, one after another (HTTP/1.1 keep-alive); self.app is the
+    Server. Every request goes through route(); an error of any kind is answered in OpenAI's
+    envelope."""
+    protocol_version = "HTTP/1.1"
+    server_version = "08_serve"
+    disable_nagle_algorithm = True  # a stream's small writes leave at once, not 40 ms later
+
+    def setup(self):
+        self.app = self.server.app
+        self.timeout = self.app.timeout  # every read and write on the socket (socketserver's)
+        super().setup()
+
+    def handle_one_request(self):
+        """BaseHTTPRequestHandler's, with a shorter request line, and every method routed by
+        route(): an unknown method is a 405 (or a 404), not a 501."""
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
+            if not self.raw_requestline:
+                self.close_connection = True
+            elif len(self.raw_requestline) > MAX_REQUEST_LINE:
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG,
+                                f"the request line is over {MAX_REQUEST_LINE:,} bytes")
+            elif self.parse_request():
+                self.route()
+        except OSError:  # the client went away, or stalled past the timeout
+            self.close_connection = True
+
+    def parse_request(self):
+        rfile, self.rfile = self.rfile, _HeaderLimit(self.rfile)
+        try:
+            return super().parse_request()
+        finally:
+            self.rfile = rfile
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (a malformed request line or headers), in the envelope."""
+        self.close_connection = True
+        text = message or self.responses.get(code, ("error",))[0]
+        self.send_json(code, APIError(f"{text}: {explain}" if explain else text, code).body())
+
+    def log_message(self, format, *args):
+        LOG.info("%s %s", self.address_string(), format % args)
+
+    def route(self):
+        self.body_read = self.streaming = False
+        path = self.path.split("?", 1)[0]
+        try:
+            if path != "/health" and not self.app.ready.is_set():
+                raise self.app.not_ready()
+            methods = ROUTES.get(path)
+            if methods is None:
+                raise APIError(f"no route {path}", 404)
+            if self.command not in methods:
+                raise APIError(f"{self.command} is not allowed on {path}", 405,
+                               headers=[("Allow", ", ".join(methods))])
+            if path not in OPEN_ROUTES and not self.authorized():
+                raise APIError("wrong or missing API key: send 'Authorization: Bearer KEY'", 401,
+                               code="invalid_api_key")
+            getattr(self, methods[self.command])()
+        except APIError as e:
+            self.fail(e)
+        except (ClientGone, OSError):  # a failed read or write: the client left or stalled
+            self.close_connection = True
+        except Exception:
+            LOG.exception("%s %s", self.command, path)
+            self.fail(APIError("internal server error (the server logged it)", 500))
+
+    def fail(self, error):
+        """Answer an error: a response with its status or, once a stream has begun, a last
+        event with the error object."""
+        try:
+            if self.streaming:
+                self.write_events([error.body()], done=True)
+                return
+            if self.command == "POST" and not self.body_read:  # its body is still on the socket
+                self.close_connection = True
+            self.send_json(error.status, error.body(), error.headers)
+        except OSError:
+            self.close_connection = True
+
+    def authorized(self):
+        key, given = self.app.api_key, self.headers.get("Authorization", "")
+        # compare_digest: the time taken does not tell how much of a guess was right
+        return key is None or hmac.compare_digest(given.encode("latin-1"),
+                                                  b"Bearer " + key.encode())
+
+    def send_body(self, status, data, content_type, headers=()):
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_json(self, status, value, headers=()):
+        self.send_body(status, json.dumps(value, ensure_ascii=False).encode(), "application/json",
+                       headers)
+
+    def read_json(self):
+        """The body, a JSON object, within the limits: its size is known before it is read."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise APIError("send the body with a Content-Length, not chunked", 411)
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise APIError("a POST needs a Content-Length header", 411)
+        if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
+            raise APIError(f"Content-Length {_short(length)} is not a number of bytes")
+        size, limit = int(length), self.app.max_body_bytes
+        if size > limit:
+            raise APIError(f"the body is {size:,} bytes, over the limit of {limit:,}", 413)
+        try:
+            data = self.rfile.read(size)
+        except TimeoutError:
+            raise APIError(f"the body did not arrive within {self.timeout} s", 408) from None
+        if len(data) < size:
+            raise APIError(f"the body ended after {len(data):,} of its {size:,} bytes")
+        self.body_read = True
+        try:
+            body = json.loads(data, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as e:
+            raise APIError(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object")
+        return body
+
+    def check_model(self, body):
+        model = field(body, "model", _is_str, "a string")
+        if model is not None and model != self.app.model_name:
+            raise APIError(f"the model '{model}' does not exist; this server serves "
+                           f"'{self.app.model_name}'", 404, "model", "model_not_found")
+
+    # -- the routes
+
+    def page(self):
+        self.send_body(200, CHAT_PAGE.encode(), "text/html; charset=utf-8")
+
+    def health(self):
+        if not self.app.ready.is_set():
+            raise self.app.not_ready()
+        self.send_json(200, {"status": "ok"})
+
+    def metrics(self):
+        self.send_body(200, self.app.metrics.render().encode(),
+                       "text/plain; version=0.0.4; charset=utf-8")
+
+    def models(self):
+        self.send_json(200, {"object": "list", "data": [self.app.model_card()]})
+
+    def tokenize(self):
+        body = self.read_json()
+        check_fields(body, {"model", "prompt", "messages"})
+        self.check_model(body)
+        tokenizer = self.app.llm.tokenizer
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            raise APIError("give either 'prompt' or 'messages'")
+        text = (chat_prompt(body, tokenizer) if body.get("prompt") is None
+                else field(body, "prompt", _is_str, "a string"))
+        ids = tokenizer.encode(text)
+        self.send_json(200, {"tokens": ids, "count": len(ids),
+                             "max_model_len": self.app.llm.max_model_len})
+
+    def detokenize(self):
+        body = self.read_json()
+        check_fields(body, {"model", "tokens"})
+        self.check_model(body)
+        vocab = self.app.llm.model.cfg.vocab_size
+        ids = field(body, "tokens", lambda x: isinstance(x, list) and all(
+            _is_int(t) and 0 <= t < vocab for t in x), f"a list of token ids in [0, {vocab})")
+        if ids is None:
+            raise APIError("'tokens' is required", param="tokens")
+        self.send_json(200, {"prompt": self.app.llm.tokenizer.decode(ids)})
+
+    def completions(self):
+        self.generate(chat=False)
+
+    def chat_completions(self):
+        self.generate(chat=True)
+
+    def generate(self, chat):
+        body = self.read_json()
+        self.check_model(body)
+        llm, engine = self.app.llm, self.app.engine
+        request = generation_request(body, chat, llm.tokenizer, llm.model.cfg.vocab_size)
+        answer = Answer(request, self.app.model_name, llm.tokenizer.token_bytes)
+        job, choices = Job(answer.id, request.prompts, request.params), []
+        engine.add(job)
+        try:
+            reply = self.wait(job)[0]
+            if reply[0] != "accepted":  # refused: the engine's ValueError; or failed
+                raise APIError(reply[1]) if reply[0] == "refused" else APIError(reply[2], reply[1])
+            choices = [ChoiceText(i, llm.tokenizer, request.stop, request.logprobs)
+                       for i in range(len(request.params))]
+            if request.stream:
+                self.start_stream()
+                if chat:
+                    self.write_events([answer.role_chunk(choice) for choice in choices])
+            while any(choice.finish_reason is None for choice in choices):
+                events = []
+                for reply in self.wait(job):
+                    if reply[0] == "failed":
+                        raise APIError(reply[2], reply[1])
+                    _, index, tokens, logprobs, finish_reason, stop_token_id = reply
+                    choice = choices[index]
+                    if choice.finish_reason is not None:  # a stop string ended it already
+                        continue
+                    text, entries = choice.add(tokens, logprobs, finish_reason, stop_token_id)
+                    if choice.finish_reason is not None and finish_reason is None:
+                        engine.abort(job, [index], "stop")  # a stop string: the engine stops too
+                    if request.stream and (text or entries or choice.finish_reason):
+                        events.append(answer.chunk(choice, text, entries))
+                if events:
+                    self.write_events(events)
+            if request.stream:
+                self.write_events([answer.usage_chunk(choices)] if request.include_usage else [],
+                                  done=True)
+            else:
+                self.send_json(200, answer.response(choices))
+        finally:
+            if not choices or any(choice.finish_reason is None for choice in choices):
+                engine.abort(job)  # whatever ended this early: its choices end in the engine too
+
+    def wait(self, job):
+        """The job's next replies: at least one, and all that have come. While none comes, check
+        every POLL_SECONDS that the client is still there (ClientGone if not)."""
+        while True:
+            try:
+                replies = [job.replies.get(timeout=POLL_SECONDS)]
+                break
+            except queue.Empty:
+                if self.client_gone():
+                    raise ClientGone() from None
+                if self.app.stopped:  # (an engine thread that has stopped replies no more)
+                    raise APIError("the server is shutting down", 503) from None
+        while not job.replies.empty():
+            replies.append(job.replies.get())
+        return replies
+
+    def client_gone(self):
+        """Whether the client has closed its end: a peek at the socket that does not wait (an
+        end of file reads as b"")."""
+        sock = self.connection
+        sock.settimeout(0)
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:  # nothing to read: still there
+            return False
+        except OSError:
+            return True
+        finally:
+            sock.settimeout(self.timeout)
+
+    def start_stream(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.chunked = self.request_version == "HTTP/1.1"
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:  # HTTP/1.0 has no chunks: the end of the stream is the end of the connection
+            self.close_connection = True
+        self.end_headers()
+        self.streaming = True
+
+    def write_events(self, events, done=False):
+        """Server-sent events, one `data:` line each, in one write (and one chunk); done: then
+        `data: [DONE]` and the end of the response."""
+        data = b"".join(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+                        for event in events) + (b"data: [DONE]\n\n" if done else b"")
+        if self.chunked:
+            data = (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + (
+                b"0\r\n\r\n" if done else b"")
+        self.wfile.write(data)
+
+
+class _HTTPServer(ThreadingHTTPServer):  # (its threads are daemon threads)
+    request_queue_size = 128  # the listen backlog: a burst of clients may connect at once
+
+
+class Server:
+    """A running server (see serve): url, port, model_name, llm (None while loading),
+    wait_ready, wait_idle, shutdown."""
+
+    def __init__(self, llm, host, port, api_key, served_model_name, max_body_bytes, timeout):
+        if isinstance(llm, LLM):
+            if llm.tokenizer is None:
+                raise ValueError("serve needs an LLM with a tokenizer: the API is text in, "
+                                 "text out")
+        elif not callable(llm):
+            raise TypeError(f"llm must be an LLM or a function that returns one, not "
+                            f"{type(llm).__name__}")
+        if api_key is not None and not (isinstance(api_key, str) and api_key):
+            raise ValueError(f"api_key = {api_key!r} must be a non-empty string or None")
+        if not _is_int(max_body_bytes) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes = {max_body_bytes!r} must be a positive int")
+        if not _is_number(timeout) or timeout <= 0:
+            raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds")
+        self.api_key, self.max_body_bytes, self.timeout = api_key, max_body_bytes, timeout
+        self.model_name = served_model_name or "qwen3"
+        self.llm = self.engine = self.load_error = None
+        self.metrics = Metrics()
+        self.ready, self.loaded = threading.Event(), threading.Event()
+        self.stopped, self.lock = False, threading.Lock()
+        self.created = int(time.time())
+        self.httpd = _HTTPServer((host, port), Handler)
+        self.httpd.app = self
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.1,), name="http",
+                         daemon=True).start()
+        if isinstance(llm, LLM):
+            self._start(llm)
+        else:
+            threading.Thread(target=self._load, args=(llm,), name="load", daemon=True).start()
+
+    def _load(self, load):
+        try:
+            llm = load()
+            if not isinstance(llm, LLM) or llm.tokenizer is None:
+                raise TypeError(f"the model loader returned {llm!r}, not an LLM with a tokenizer")
+            self._start(llm)
+        except Exception as e:
+            LOG.exception("the model failed to load")
+            self.load_error = e
+            self.loaded.set()
+
+    def _start(self, llm):
+        with self.lock:
+            if self.stopped:
+                return
+            self.engine, self.llm = EngineThread(llm, self.metrics), llm
+        self.ready.set()
+        self.loaded.set()
+
+    def not_ready(self):
+        if self.load_error is not None:
+            return APIError(f"the model failed to load: {self.load_error}", 503)
+        return APIError("the model is loading", 503)
+
+    def model_card(self):
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "08_serve", "max_model_len": self.llm.max_model_len}
+
+    def wait_ready(self, timeout=None):
+        """Wait until the model is loaded (or failed to load); whether the server is ready."""
+        self.loaded.wait(timeout)
+        return self.ready.is_set()
+
+    def wait_idle(self, timeout=None):
+        """Wait until the engine has no request left; whether it has none (False: timed out)."""
+        return self.engine is None or self.engine.wait_idle(timeout)
+
+    def shutdown(self, timeout=10.0):
+        """Stop accepting, abort every running request (open streams end with an error event),
+        stop the engine thread and close the socket. Calling it again does nothing."""
+        with self.lock:
+            if self.stopped:
+                return
+            self.stopped = True
+        self.httpd.shutdown()  # serve_forever returns: no connection is accepted any more
+        if self.engine is not None:
+            self.engine.stop(timeout)
+        self.httpd.server_close()
+
+
+def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None,
+          max_body_bytes=1 << 20, timeout=30.0):
+    """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port; port 0 takes a free
+    one. llm may also be a function that returns the LLM: it then loads on a thread of its own,
+    and until it is ready every route answers 503. api_key: required on every route but / and
+    /health ("Authorization: Bearer KEY"). served_model_name: the model's name in the API
+    (default "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds
+    that any read or write on a client's socket may take. Returns the Server as soon as its
+    socket is bound; its threads are daemon threads."""
+    return Server(llm, host, port, api_key, served_model_name, max_body_bytes, timeout)
+
+
+# ----------------------------------------------------------------------------------------------
 # The bench's models: random weights in Qwen3's shapes
 # ----------------------------------------------------------------------------------------------
 # Random bf16 weights in the shapes of Qwen3-0.6B and Qwen3-8B (no download): an engine's speed
@@ -4959,6 +6161,16 @@ def random_model(cfg, device, dtype, seed=0):
                 param.normal_(0.0, 0.02, generator=gen)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.use_kernels(device.type == "cuda").eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 36. The server: the bench (time to first token, time per output token, tokens/s)
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 08. PLACEHOLDER: bench_serve, run by --bench, is being written separately
+# (issue 20's Performance section).
+
+def bench_serve(device):
+    raise NotImplementedError("--bench: bench_serve is not written yet")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5032,32 +6244,201 @@ def positive_int(text):
     return value
 
 
-def non_negative_float(text):
-    value = float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+# NEW in stage 08: the command line serves a model (main's demonstrations stay in stage 07).
 
-
-def probability(text):
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def non_negative_int(text):
+def port_number(text):
+    """argparse type: a TCP port, 0 for a free one."""
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text}")
     return value
 
 
-def fraction(text):
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="a Hugging Face Qwen3 directory, or a Hub id such as "
+                        "Qwen/Qwen3-0.6B (default: a tiny random Qwen3, which the server sends a "
+                        "few requests to before it stops)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: "
+                        "%(default)s, this machine only; 0.0.0.0 for every network)")
+    parser.add_argument("--port", type=port_number,
+                        help="default: 8000 with --model, a free port without")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route "
+                        "but / and /health")
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: the "
+                        "--model directory's name)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda when there is one)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="default: the checkpoint's on a GPU, float32 on a CPU")
+    parser.add_argument("--max-model-len", type=positive_int,
+                        help="the longest prompt + output (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256,
+                        help="requests in the running batch at most (default: %(default)s)")
+    parser.add_argument("--speculative", choices=["ngram", "draft"],
+                        help="speculative decoding across the batch: n-gram lookup in each "
+                        "request's context, or a draft model (--draft-model)")
+    parser.add_argument("--draft-model", help="with --speculative draft: a smaller Qwen3 with the "
+                        "same vocabulary, a directory or a Hub id")
+    parser.add_argument("--num-speculative-tokens", type=positive_int,
+                        help="with --speculative: tokens proposed a step (default: 4)")
+    parser.add_argument("--bench", action="store_true", help="instead, on a GPU: the server "
+                        "under concurrent streaming clients (time to first token, time per "
+                        "output token, tokens/s) against LLM.generate on the same requests")
+    parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
+                        "the random model's (default: data/)")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser, args):
+    """Every flag checked before any work (a download, a load) starts."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device}: {e}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: this stage runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA GPU")
+    if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        parser.error(f"--data-dir {args.data_dir} is a file, not a directory")
+    for flag, value in (("--host", args.host), ("--api-key", args.api_key),
+                        ("--served-model-name", args.served_model_name)):
+        if value is not None and not value.strip():
+            parser.error(f"{flag} is empty")
+    if args.bench and args.model is not None:
+        parser.error("--model does not apply to --bench, which builds its own model")
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        parser.error("--speculative draft and --draft-model go together")
+    if args.num_speculative_tokens is not None:
+        if args.speculative is None:
+            parser.error("--num-speculative-tokens applies only with --speculative")
+        if args.num_speculative_tokens > 16:
+            parser.error(f"--num-speculative-tokens {args.num_speculative_tokens}: at most 16")
+    for flag, model in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if model is None:
+            continue
+        path = Path(model)
+        if path.exists() and not path.is_dir():
+            parser.error(f"{flag} {model} is a file; give the directory that holds it")
+        if not path.exists() and not HUB_ID.fullmatch(model):
+            parser.error(f"{flag} {model}: no such directory, and not a Hub id such as "
+                         f"Qwen/Qwen3-0.6B")
+
+
+def load_llm(args, source):
+    """The LLM the flags ask for, on the model `source`. Speculation (chapter 37) is stage 07's,
+    switched on for the whole batch: the engine speculates for the requests where it pays."""
+    speculative = None
+    if args.speculative is not None:
+        speculative = {"method": args.speculative}
+        if args.draft_model is not None:
+            speculative["model"] = args.draft_model
+        if args.num_speculative_tokens is not None:
+            speculative["num_tokens"] = args.num_speculative_tokens
+    return LLM(source, device=args.device, dtype=MODEL_DTYPES.get(args.dtype),
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               speculative=speculative, data_dir=args.data_dir)
+
+
+def http_request(url, method, path, body=None, api_key=None, timeout=60.0):
+    """(status, body bytes) of one request to the server at url, with the standard library's
+    http.client, as any client would send it."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        connection.request(method, path, None if body is None else json.dumps(body), headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def sse_events(data):
+    """The JSON events of a server-sent event stream's bytes, up to `data: [DONE]`."""
+    events = []
+    for block in data.decode().split("\n\n"):
+        if block == "data: [DONE]":
+            break
+        if block.startswith("data: "):
+            events.append(json.loads(block[len("data: "):]))
+    return events
+
+
+def demo(args):
+    """Without --model: a tiny random Qwen3 served on a free port, a few requests to it over HTTP
+    printed as they come back, then a clean stop."""
+    with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
+        llm = load_llm(args, random_checkpoint(demo_tokenizer(tmp, args.data_dir), seed=0))
+    server = serve(llm, args.host, args.port or 0, api_key=args.api_key,
+                   served_model_name=args.served_model_name or "tiny-random-qwen3")
+    print(f"serving a tiny random Qwen3 at {server.url}; over HTTP:")
+    post = functools.partial(http_request, server.url, "POST", api_key=args.api_key)
+    try:
+        prompt = "Every effort moves you"
+        status, data = post("/v1/completions", {"prompt": prompt, "max_tokens": 12,
+                                                 "temperature": 0})
+        out = json.loads(data)
+        print(f"  POST /v1/completions {status}: {prompt!r} -> {out['choices'][0]['text']!r} "
+              f"({out['choices'][0]['finish_reason']}, usage {out['usage']})")
+        chat = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12,
+                "temperature": 0}
+        status, data = post("/v1/chat/completions",
+                            {**chat, "stream": True, "stream_options": {"include_usage": True}})
+        events = sse_events(data)
+        streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        whole = json.loads(post("/v1/chat/completions", chat)[1])["choices"][0]["message"]
+        print(f"  POST /v1/chat/completions, streamed {status}: {len(events)} events -> "
+              f"{streamed!r} ({events[-2]['choices'][0]['finish_reason']}, usage "
+              f"{events[-1]['usage']}); the same request unstreamed: "
+              f"{'identical' if whole['content'] == streamed else 'DIFFERENT'}")
+        status, data = post("/v1/completions", {"prompt": prompt, "max_tokens": 1000})
+        error = json.loads(data)["error"]
+        print(f"  POST /v1/completions with max_tokens 1000: {status} {error['type']}: "
+              f"{error['message']}")
+    finally:
+        server.shutdown()
+    print("stopped")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.bench:
+        bench_serve(torch.device(args.device))
+        return
+    if args.model is None:
+        demo(args)
+        return
+    stop = threading.Event()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, lambda *_: stop.set())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    server = serve(functools.partial(load_llm, args, args.model), args.host,
+                   8000 if args.port is None else args.port, api_key=args.api_key,
+                   served_model_name=args.served_model_name or Path(args.model).name)
+    print(f"loading {args.model}; until it is ready, {server.url}/health answers 503", flush=True)
+    while not server.wait_ready(timeout=0.2):  # (a signal stops the wait too)
+        if server.load_error is not None or stop.is_set():
+            break
+    if server.load_error is not None:
+        server.shutdown()
+        raise server.load_error
+    if not stop.is_set():
+        key = ' -H "Authorization: Bearer $API_KEY"' if args.api_key else ""
+        request = json.dumps({"model": server.model_name,
+                              "messages": [{"role": "user", "content": "Hello!"}]})
+        print(f"serving {server.model_name} at {server.url}: the OpenAI API under /v1, and "
+              f"/health, /metrics, a chat page at /. Try:\n  curl {server.url}/v1/chat/"
+              f"completions -H 'Content-Type: application/json'{key} -d '{request}'\n"
+              f"Ctrl-C stops it.", flush=True)
+        stop.wait()
+    print("stopping: no new connections; running requests aborted", flush=True)
+    server.shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

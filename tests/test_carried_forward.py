@@ -241,7 +241,8 @@ def test_the_script_reports_a_bad_file_in_one_line(tmp_path):
 
 # -- every inherited definition is a copy, or a change with its own tests ----------------------
 
-CHAIN = ["02_gpt", "03_train", "04_cuda_kernels", "05_triton", "06_flash_attention", "07_engine"]
+CHAIN = ["02_gpt", "03_train", "04_cuda_kernels", "05_triton", "06_flash_attention", "07_engine",
+         "08_serve"]
 # stage -> {name: tests (file::function) that check that stage's changed version}
 CHANGED = {
     "03_train": {
@@ -305,6 +306,13 @@ CHANGED = {
                           "test_07_engine.py::test_top_p_keeps_the_token_that_crosses"],
         # GPT-2's ranks only, for main's tokenizer
         "DATA_FILES": ["test_07_engine.py::test_demo_tokenizer_is_gpt2s"],
+    },
+    "08_serve": {
+        # the command line serves a model; without one, a demo that sends itself requests
+        **{name: ["test_08_serve.py::test_main_serves_a_demo_and_stops",
+                  "test_08_serve.py::test_a_bad_flag_stops_main_before_any_work",
+                  "test_08_serve.py::test_main_serves_a_model_until_sigterm"]
+           for name in ("main", "parse_args", "check_args")},
     },
 }
 
