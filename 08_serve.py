@@ -4976,7 +4976,9 @@ class Detokenizer:
     byte arrives (and turns bytes that can never form one into U+FFFD, as a full decode does),
     so that the pieces add up to the decode of all the tokens. Special tokens write no text
     (vLLM's skip_special_tokens). stop: strings that end the text; text that may be the start of
-    one is held back until decided, and one found ends the text just before it (`stopped`)."""
+    one is held back until decided, and the first one to appear as the text grows ends it just
+    before its start (`stopped`); of several completed by the same token, the one that starts
+    first."""
 
     def __init__(self, token_bytes, special_ids, stop=()):
         self.token_bytes, self.special_ids = token_bytes, special_ids
@@ -5193,7 +5195,8 @@ def generation_request(body, chat, tokenizer, vocab_size):
                   for _ in prompts for j in range(n)]
     except (ValueError, RecursionError) as e:  # (a schema nested deeper than Python recurses)
         named = re.match(r"SamplingParams\.(\w+)", str(e))
-        raise APIError(str(e), param=named and named[1]) from None
+        param = named and ("response_format" if named[1] in STRUCTURED_FIELDS else named[1])
+        raise APIError(str(e), param=param) from None
     return Generation(chat, prompts, params, n, stop_strings(body), stream, include_usage,
                       logprobs)
 
@@ -5596,6 +5599,7 @@ LOG = logging.getLogger("08_serve")
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
 MAX_REQUEST_LINE = 8192  # bytes of "POST /v1/completions HTTP/1.1" (414 beyond)
 MAX_HEADER_BYTES = 64 << 10  # of all the header lines together (431 beyond)
+LINGER_SECONDS, LINGER_BYTES = 2.0, 16 << 20  # what a refused client may still send (finish)
 ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/metrics": {"GET": "metrics"},
           "/v1/models": {"GET": "models"}, "/v1/completions": {"POST": "completions"},
           "/v1/chat/completions": {"POST": "chat_completions"},
@@ -5758,13 +5762,34 @@ class Handler(BaseHTTPRequestHandler):
     Server. Every request goes through route(); an error of any kind is answered in OpenAI's
     envelope."""
     protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.0"  # not 0.9: a garbled request line gets a status line
     server_version = "08_serve"
     disable_nagle_algorithm = True  # a stream's small writes leave at once, not 40 ms later
 
     def setup(self):
         self.app = self.server.app
         self.timeout = self.app.timeout  # every read and write on the socket (socketserver's)
+        self.linger = False
         super().setup()
+
+    def finish(self):
+        """Closing a socket with bytes unread makes the kernel answer with a reset, which can
+        destroy the error response the client has not read yet (a body refused as too large is
+        still on its way): drop what the client still sends first, for a bounded while, as web
+        servers' "lingering close" does."""
+        if self.linger:
+            try:
+                self.connection.shutdown(socket.SHUT_WR)
+                deadline, left = time.monotonic() + LINGER_SECONDS, LINGER_BYTES
+                while left > 0 and time.monotonic() < deadline:
+                    self.connection.settimeout(deadline - time.monotonic())
+                    data = self.connection.recv(65536)
+                    if not data:
+                        break
+                    left -= len(data)
+            except OSError:
+                pass
+        super().finish()
 
     def handle_one_request(self):
         """BaseHTTPRequestHandler's, with a shorter request line, and every method routed by
@@ -5791,7 +5816,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line or headers), in the envelope."""
-        self.close_connection = True
+        self.close_connection = self.linger = True
         text = message or self.responses.get(code, ("error",))[0]
         self.send_json(code, APIError(f"{text}: {explain}" if explain else text, code).body())
 
@@ -5799,7 +5824,7 @@ class Handler(BaseHTTPRequestHandler):
         LOG.info("%s %s", self.address_string(), format % args)
 
     def route(self):
-        self.body_read = self.streaming = False
+        self.body_state, self.streaming = "unread", False  # "unread", "reading", "read"
         path = self.path.split("?", 1)[0]
         try:
             if path != "/health" and not self.app.ready.is_set():
@@ -5829,8 +5854,9 @@ class Handler(BaseHTTPRequestHandler):
             if self.streaming:
                 self.write_events([error.body()], done=True)
                 return
-            if self.command == "POST" and not self.body_read:  # its body is still on the socket
+            if self.command == "POST" and self.body_state != "read":  # (still on the socket)
                 self.close_connection = True
+                self.linger = self.body_state == "unread"  # (not after a body that timed out)
             self.send_json(error.status, error.body(), error.headers)
         except OSError:
             self.close_connection = True
@@ -5869,13 +5895,14 @@ class Handler(BaseHTTPRequestHandler):
         size, limit = int(length), self.app.max_body_bytes
         if size > limit:
             raise APIError(f"the body is {size:,} bytes, over the limit of {limit:,}", 413)
+        self.body_state = "reading"
         try:
             data = self.rfile.read(size)
         except TimeoutError:
             raise APIError(f"the body did not arrive within {self.timeout} s", 408) from None
         if len(data) < size:
             raise APIError(f"the body ended after {len(data):,} of its {size:,} bytes")
-        self.body_read = True
+        self.body_state = "read"
         try:
             body = json.loads(data, parse_constant=_refuse_constant)
         except (ValueError, RecursionError) as e:
@@ -5946,7 +5973,7 @@ class Handler(BaseHTTPRequestHandler):
         job, choices = Job(answer.id, request.prompts, request.params), []
         engine.add(job)
         try:
-            reply = self.wait(job)[0]
+            (reply, *replies) = self.wait(job)  # the first is the engine's answer, tokens may follow
             if reply[0] != "accepted":  # refused: the engine's ValueError; or failed
                 raise APIError(reply[1]) if reply[0] == "refused" else APIError(reply[2], reply[1])
             choices = [ChoiceText(i, llm.tokenizer, request.stop, request.logprobs)
@@ -5956,8 +5983,8 @@ class Handler(BaseHTTPRequestHandler):
                 if chat:
                     self.write_events([answer.role_chunk(choice) for choice in choices])
             while any(choice.finish_reason is None for choice in choices):
-                events = []
-                for reply in self.wait(job):
+                events, replies = [], replies or self.wait(job)
+                for reply in replies:
                     if reply[0] == "failed":
                         raise APIError(reply[2], reply[1])
                     _, index, tokens, logprobs, finish_reason, stop_token_id = reply
@@ -5969,6 +5996,7 @@ class Handler(BaseHTTPRequestHandler):
                         engine.abort(job, [index], "stop")  # a stop string: the engine stops too
                     if request.stream and (text or entries or choice.finish_reason):
                         events.append(answer.chunk(choice, text, entries))
+                replies = []
                 if events:
                     self.write_events(events)
             if request.stream:
