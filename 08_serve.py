@@ -11,25 +11,33 @@ What this stage teaches
     36. The server: `python 08_serve.py --model DIR` serves the OpenAI API (`/v1/models`,
         `/v1/completions`, `/v1/chat/completions`, streaming as server-sent events) and
         `/health`, `/tokenize`, `/detokenize`, `/metrics` and a chat page at `/`, on the
-        standard library's HTTP server. One engine thread calls `LLMEngine.step()` and hands
-        each request's new tokens to its stream; the HTTP threads validate requests into
-        `SamplingParams` and call `add_request` and `abort`. Errors use the OpenAI envelope
-        with 4xx codes; a client that disconnects has its request aborted and its blocks freed.
+        standard library's HTTP server. The HTTP threads check requests into `SamplingParams`;
+        one engine thread alone adds, aborts and steps, and hands each request's new tokens to
+        its stream. Errors use the OpenAI envelope with 4xx codes; a client that disconnects
+        has its request aborted and its blocks freed.
     37. Batched speculation: `--speculative ngram|draft` runs stage 07's speculative decoding
         across concurrent requests, with greedy outputs identical to plain decoding.
 
-New since stage 07: all of the above. Kept unchanged: the model, tokenizer, engine, kernels and
-their torch twins (the tests' reference paths), the demo model and tokenizer, the downloads.
-Dropped (each lives on in stage 07): every --bench of stage 07 (structured output, decode
-attention, paged decode, decode tokens/s against transformers, offline throughput, speculative
-decoding) and their helpers; main's demonstrations (generations, structured output, continuous
-batching step by step, the kernels against torch, tokens/s).
+New since stage 07: all of the above: `Detokenizer`; `serve` and the `Server` it returns, with
+the request checks (`generation_request`), the `EngineThread`, the HTTP `Handler` and the
+`Metrics`. Changed: the command line, which serves a model. Kept unchanged: the model,
+tokenizer, engine, kernels and their torch twins (the tests' reference paths), the demo model and
+tokenizer, the downloads. Dropped (each lives on in stage 07): every --bench of stage 07
+(structured output, decode attention, paged decode, decode tokens/s against transformers,
+offline throughput, speculative decoding) and their helpers; main's demonstrations (generations,
+structured output, continuous batching step by step, the kernels against torch, tokens/s) and
+their flags.
 
 Run
     python 08_serve.py                   # a small random Qwen3 with main's demo tokenizer: starts
                                          # the server, sends it a few requests, stops
-    python 08_serve.py --model DIR       # serve a Hugging Face Qwen3 directory or Hub id
+    python 08_serve.py --model DIR       # serve a Hugging Face Qwen3 directory or Hub id on
+                                         # http://127.0.0.1:8000 until Ctrl-C (or SIGTERM)
+    python 08_serve.py --model Qwen/Qwen3-0.6B --api-key KEY --speculative ngram
     python 08_serve.py --bench           # on a GPU: the server under concurrent streaming clients
+
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"messages": [{"role": "user", "content": "Hello!"}], "stream": true}'
 """
 
 import argparse
@@ -5414,6 +5422,10 @@ class EngineThread:
                 name = "the prompt" if len(job.requests) == job.n else f"prompt {index // job.n}"
                 job.replies.put(("refused", str(e).replace(f"prompt {request_id!r}", name)))
                 return
+            except Exception:  # a bug, but nothing was queued: the other requests go on
+                LOG.exception("a request could not be added")
+                job.replies.put(("failed", 500, "internal error (logged by the server)"))
+                return
         for index, seq in enumerate(seqs):
             self.engine.add_sequence(seq)
             self.live[seq.request_id] = Choice(job, index)
@@ -6446,9 +6458,13 @@ def main(argv=None):
     for signal_number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signal_number, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    server = serve(functools.partial(load_llm, args, args.model), args.host,
-                   8000 if args.port is None else args.port, api_key=args.api_key,
-                   served_model_name=args.served_model_name or Path(args.model).name)
+    port = 8000 if args.port is None else args.port
+    try:
+        server = serve(functools.partial(load_llm, args, args.model), args.host, port,
+                       api_key=args.api_key,
+                       served_model_name=args.served_model_name or Path(args.model).name)
+    except OSError as e:  # the port is taken, or the host is not this machine's
+        sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")
     print(f"loading {args.model}; until it is ready, {server.url}/health answers 503", flush=True)
     while not server.wait_ready(timeout=0.2):  # (a signal stops the wait too)
         if server.load_error is not None or stop.is_set():
