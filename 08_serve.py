@@ -68,6 +68,7 @@ import uuid
 import warnings
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from http import HTTPStatus
@@ -5618,11 +5619,190 @@ ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/metrics": {"GET"
           "/tokenize": {"POST": "tokenize"}, "/detokenize": {"POST": "detokenize"}}
 OPEN_ROUTES = ("/", "/health")  # no API key needed
 
-# The chat page at GET /: HTML and JavaScript in one string, no external assets.
-# PLACEHOLDER: the page is being written separately (issue 20); this one only says so.
-CHAT_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>08_serve</title></head>
-<body><p>08_serve: the chat page is not written yet. The OpenAI API is under /v1.</p></body>
+# The chat page: one HTML document, its style and script inline (no external assets). It keeps
+# the conversation in the page and sends all of it with each message, as the chat API is
+# stateless; it reads the streamed reply with fetch and a stream reader rather than EventSource,
+# which can only GET. Model output goes in through textContent, never as markup.
+CHAT_PAGE = r"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>08_serve chat</title>
+<style>
+  body { font: 15px/1.5 system-ui, sans-serif; max-width: 46rem; margin: 0 auto; padding: 1rem; }
+  h1 { font-size: 1.2rem; margin: 0 0 .5rem; }
+  details { margin-bottom: .5rem; }
+  details label { display: block; margin: .25rem 0; }
+  textarea, input { font: inherit; }
+  textarea { width: 100%; box-sizing: border-box; }
+  #log { display: flex; flex-direction: column; gap: .5rem; margin: 1rem 0; }
+  .user, .assistant { white-space: pre-wrap; padding: .5rem .75rem; border-radius: .5rem;
+                      max-width: 85%; overflow-wrap: anywhere; }
+  .user { align-self: flex-end; background: #dbeafe; }
+  .assistant { align-self: flex-start; background: #f1f5f9; }
+  #error { color: #b91c1c; white-space: pre-wrap; margin-bottom: .5rem; }
+  #error:empty { display: none; }
+</style>
+</head>
+<body>
+<h1>Chat with <span id="model">the server</span></h1>
+<details>
+  <summary>Settings</summary>
+  <label>System prompt <textarea id="system" rows="2"></textarea></label>
+  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7">
+  </label>
+  <label>Max tokens <input id="max-tokens" type="number" min="1" value="1024"></label>
+  <label>API key <input id="api-key" type="password" autocomplete="off"
+                        placeholder="only if the server was started with --api-key"></label>
+</details>
+<div id="log"></div>
+<div id="error" role="alert"></div>
+<textarea id="message" rows="3" placeholder="Message (Enter sends, Shift+Enter starts a new line)"
+          autofocus></textarea>
+<button id="send">Send</button>
+<button id="stop" disabled>Stop</button>
+<button id="new">New chat</button>
+<script>
+"use strict";
+const $ = (id) => document.getElementById(id);
+const conversation = [];  // the finished turns, {role, content} (the system prompt apart)
+let model = null;  // the served model's name, from /v1/models
+let controller = null;  // the AbortController of the reply streaming now; null when idle
+
+// The API key is kept in the browser (localStorage) and sent only when set.
+const key = $("api-key");
+key.value = localStorage.getItem("api-key") || "";
+key.addEventListener("change", () => { localStorage.setItem("api-key", key.value); loadModel(); });
+
+function headers() {
+  const h = {"Content-Type": "application/json"};
+  if (key.value) h.Authorization = "Bearer " + key.value;
+  return h;
+}
+
+function showError(text) { $("error").textContent = text; }
+
+// An error response carries the OpenAI envelope {"error": {"message", ...}}; show its message
+// with the status, or the body as it came when it is not one.
+async function failure(response) {
+  const body = await response.text();
+  let message = body || response.statusText;
+  try { message = JSON.parse(body).error.message; } catch (e) { /* not the envelope */ }
+  return new Error(`HTTP ${response.status}: ${message}`);
+}
+
+function bubble(role, text) {
+  const div = document.createElement("div");
+  div.className = role;
+  div.textContent = text;
+  $("log").append(div);
+  return div;
+}
+
+function busy(on) {
+  $("send").disabled = on;
+  $("new").disabled = on;
+  $("stop").disabled = !on;
+}
+
+async function loadModel() {  // at the start, and again when the API key changes
+  showError("");
+  try {
+    const response = await fetch("/v1/models", {headers: headers()});
+    if (!response.ok) throw await failure(response);
+    model = (await response.json()).data[0].id;
+    $("model").textContent = model;
+  } catch (e) {
+    showError(`/v1/models: ${e.message}`);
+  }
+}
+
+// The reply comes as server-sent events, "data: {json}" and a blank line each, in network
+// chunks that may end anywhere, even inside a UTF-8 character: the streaming TextDecoder keeps
+// characters whole, and the text after the last blank line waits for the next chunk.
+async function* events(body) {
+  const reader = body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, {stream: true});
+    const parts = buffer.split(/\r?\n\r?\n/);
+    buffer = parts.pop();  // the event not finished yet
+    for (const part of parts) {
+      const data = part.split(/\r?\n/).filter((line) => line.startsWith("data:"))
+        .map((line) => line.slice(5).replace(/^ /, "")).join("\n");
+      if (data) yield data;
+    }
+  }
+}
+
+async function send() {
+  const text = $("message").value;
+  if (!text.trim() || controller) return;
+  controller = new AbortController();
+  busy(true);
+  showError("");
+  $("message").value = "";
+  const user = bubble("user", text);
+  const reply = bubble("assistant", "");
+  const system = $("system").value.trim();
+  const body = {stream: true, messages: [...(system ? [{role: "system", content: system}] : []),
+                                         ...conversation, {role: "user", content: text}]};
+  if (model) body.model = model;
+  const temperature = $("temperature").value, maxTokens = $("max-tokens").value;
+  if (temperature !== "") body.temperature = Number(temperature);
+  if (maxTokens !== "") body.max_tokens = Number(maxTokens);
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal});
+    if (!response.ok) throw await failure(response);
+    for await (const data of events(response.body)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(`the reply ended in an error: ${chunk.error.message}`);
+      const delta = chunk.choices?.[0]?.delta?.content;
+      if (delta) {
+        reply.textContent += delta;
+        reply.scrollIntoView({block: "end"});
+      }
+    }
+  } catch (e) {
+    if (e.name !== "AbortError") showError(e.message);  // Stop is not an error
+  } finally {
+    controller = null;
+    busy(false);
+  }
+  // What arrived (also before Stop, or before an error mid-reply) is the assistant's turn; a
+  // request that brought nothing is taken back, its text put back in the box to send again.
+  if (reply.textContent) {
+    conversation.push({role: "user", content: text},
+                      {role: "assistant", content: reply.textContent});
+  } else {
+    user.remove();
+    reply.remove();
+    $("message").value = text;
+  }
+}
+
+$("message").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {  // not while an IME composes a word
+    e.preventDefault();
+    send();
+  }
+});
+$("send").addEventListener("click", send);
+$("stop").addEventListener("click", () => controller?.abort());
+$("new").addEventListener("click", () => {
+  conversation.length = 0;
+  $("log").replaceChildren();
+  showError("");
+});
+loadModel();
+</script>
+</body>
 </html>
 """
 
@@ -5985,7 +6165,8 @@ class Handler(BaseHTTPRequestHandler):
         job, choices = Job(answer.id, request.prompts, request.params), []
         engine.add(job)
         try:
-            (reply, *replies) = self.wait(job)  # the first is the engine's answer, tokens may follow
+            # the first is the engine's answer; tokens may follow
+            (reply, *replies) = self.wait(job)
             if reply[0] != "accepted":  # refused: the engine's ValueError; or failed
                 raise APIError(reply[1]) if reply[0] == "refused" else APIError(reply[2], reply[1])
             choices = [ChoiceText(i, llm.tokenizer, request.stop, request.logprobs)
@@ -6206,11 +6387,216 @@ def random_model(cfg, device, dtype, seed=0):
 # ----------------------------------------------------------------------------------------------
 # Chapter 36. The server: the bench (time to first token, time per output token, tokens/s)
 # ----------------------------------------------------------------------------------------------
-# NEW in stage 08. PLACEHOLDER: bench_serve, run by --bench, is being written separately
-# (issue 20's Performance section).
+# NEW in stage 08. vLLM's `bench serve` in small: the server runs in this process on Qwen3-0.6B's
+# shape (random bf16 weights), and client threads send it streaming /v1/completions requests
+# over loopback HTTP, at most c at a time, each on its own connection. Per request: the time to first token
+# (TTFT: the request sent -> the first chunk with text), and the time per output token after it
+# (TPOT: (end - first token) / (output tokens - 1)). Per concurrency: output tokens/s over the
+# wall time, and TTFT and TPOT at p50 and p99. The same requests through LLM.generate give the
+# engine's own rate: the gap is what the server costs.
+#
+# The clients are threads of the server's own process, so their work (reading sockets, parsing
+# one small JSON chunk a token) competes with the server's for the GIL; it is kept to that, and
+# is counted in the server's overhead, which makes the comparison a little pessimistic.
 
-def bench_serve(device):
-    raise NotImplementedError("--bench: bench_serve is not written yet")
+def percentile(values, q):
+    """The q-th percentile (q in 0..100) by linear interpolation between the two nearest ranks,
+    as numpy's default and vLLM's bench compute it: the p99 of 16 values lies 85% of the way
+    from the 15th smallest to the largest."""
+    xs = sorted(values)
+    if not xs or not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} of {len(xs)} values: needs values, and q in 0..100")
+    position = (len(xs) - 1) * q / 100
+    below = math.floor(position)
+    above = min(below + 1, len(xs) - 1)
+    return xs[below] + (xs[above] - xs[below]) * (position - below)
+
+
+def sse_data(chunks):
+    """The data of each server-sent event in a byte stream that arrives in pieces cut anywhere
+    (inside a line, inside a UTF-8 character). Lines are cut at b"\\n" in the bytes and decoded
+    whole, which is safe because no multi-byte UTF-8 character holds the byte 0x0A; a blank line
+    ends an event, whose "data:" lines join with "\\n" (the SSE format). Comments (":" lines) and
+    other fields are skipped; an event unfinished when the stream ends is dropped, as the format
+    says."""
+    buffer, data = b"", []
+    for chunk in chunks:
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        for line in lines:
+            line = line.removesuffix(b"\r")
+            if not line:
+                if data:
+                    yield "\n".join(data)
+                data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                data.append((value[1:] if value.startswith(b" ") else value).decode("utf-8"))
+
+
+def stream_completion(port, body, timeout):
+    """Send one streaming completion (body: its JSON, as bytes) on a connection of its own and
+    read it to the end. Returns (seconds to the first token, seconds from it to the end, output
+    tokens from the final usage chunk).
+
+    The first token is the first chunk whose choices carry text. Any chunk at all would do
+    with this bench's tokenizer, where every token writes text, but a server may send an empty
+    chunk when it accepts a request, before the prefill, and text is what a user waits for."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        start = time.perf_counter()  # before connecting, as vLLM's client starts its clock
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+        first = usage = None
+        for data in sse_data(iter(lambda: response.read1(1 << 16), b"")):  # as the bytes come
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"the stream ended in an error: {chunk['error']}")
+            if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                first = time.perf_counter()
+            usage = chunk.get("usage") or usage
+        else:
+            raise RuntimeError("the stream ended without data: [DONE]")
+        end = time.perf_counter()
+    finally:
+        conn.close()
+    if first is None or usage is None:
+        raise RuntimeError(f"the stream had {'no text' if first is None else 'no usage chunk'}")
+    return first - start, end - first, usage["completion_tokens"]
+
+
+def serve_requests(server, prompts, concurrency, output_len, temperature, timeout=120.0):
+    """Send each prompt (token ids) to the server as a streaming completion, at most
+    `concurrency` in flight: a pool of that many threads, each sending its next request when
+    its last one ends (vLLM's --max-concurrency with every request ready at the start). Returns
+    the wall seconds and, per request, (TTFT, TPOT) in seconds."""
+    bodies = [json.dumps({"model": server.model_name, "prompt": prompt, "max_tokens": output_len,
+                          "ignore_eos": True, "temperature": temperature, "stream": True,
+                          "stream_options": {"include_usage": True}}).encode()
+              for prompt in prompts]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda body: stream_completion(server.port, body, timeout),
+                                bodies))
+    seconds = time.perf_counter() - start
+    wrong = [n for _, _, n in results if n != output_len]
+    if wrong:  # ignore_eos: every request runs to max_tokens, or the rates below mean nothing
+        raise RuntimeError(f"{len(wrong)} requests reported {wrong[0]} output tokens, not "
+                           f"{output_len}: is ignore_eos honoured?")
+    return seconds, [(ttft, rest / (output_len - 1)) for ttft, rest, _ in results]
+
+
+def offline_rate(llm, prompts, params, concurrency):
+    """Output tokens/s of LLM.generate on the same prompts in waves of `concurrency`. With
+    ignore_eos every output has the same length, so the server's streams too start and end
+    together, wave after wave: this is its workload without the HTTP in between."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = sum(len(out.token_ids) for i in range(0, len(prompts), concurrency)
+                 for out in llm.generate(prompts[i:i + concurrency], params))
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - start)
+
+
+def bench_tokenizer(vocab_size, eos_token_ids=(151643, 151645)):
+    """A Tokenizer for the bench's random model in which each of its vocab_size ids writes text:
+    id i decodes to a space and i in base 26 written with a..z (" a", " b", ..., " ba", ...), a
+    word of 2 to 5 bytes, one for each id.
+
+    The server streams text, not ids, and a random model samples ids all over its 151,936 rows:
+    with a real tokenizer some, with a small one nearly all, decode to nothing, so chunks would
+    carry no text and the first one with text could come tokens late. Words the size of real
+    tokens (about 4 bytes in English) keep the chunks the server writes realistic too. No
+    special tokens, so decoding skips nothing; the eos ids are Qwen3's (<|endoftext|>,
+    <|im_end|>), which ignore_eos makes irrelevant. encode is byte by byte (a byte-level BPE
+    with no merges), which these words do not decode back: the bench sends token ids, and encode
+    is there only so that a text prompt works at all."""
+    def word(i):
+        digits = ""
+        while True:
+            i, d = divmod(i, 26)
+            digits = chr(ord("a") + d) + digits
+            if i == 0:
+                return (" " + digits).encode()
+
+    bpe = tiktoken.Encoding(name="bench", pat_str=r"\S+|\s+", special_tokens={},
+                            mergeable_ranks={bytes([b]): b for b in range(256)})
+    return Tokenizer(bpe, [word(i) for i in range(vocab_size)], {}, lambda text: text,
+                     eos_token_ids, None)
+
+
+def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
+                temperature=0.6):
+    """The server over HTTP against the engine alone (see above), at each concurrency, on
+    Qwen3-0.6B's shape with random bf16 weights: prompt_len random token ids a prompt,
+    output_len tokens each (ignore_eos). Temperature 0.6 (Qwen3's recommended setting): a
+    server is benchmarked on sampling, which costs a little more than greedy, as 07's
+    throughput bench is. Checks the two targets: p99 TTFT at the highest concurrency within 2x
+    of the lowest's, and output tokens/s at the highest at least 80% of the engine's alone.
+    Returns the figures, or None without a GPU."""
+    if device.type != "cuda":
+        print("serving bench: needs a CUDA GPU; skipped")
+        return None
+    if output_len < 2:
+        raise ValueError(f"output_len = {output_len}: TPOT needs at least 2 output tokens")
+    cfg = BENCH_MODELS["Qwen3-0.6B"]
+    llm = LLM(random_model(cfg, device, torch.bfloat16), tokenizer=bench_tokenizer(cfg.vocab_size),
+              max_model_len=prompt_len + output_len)
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
+    # At least two waves of c requests at each concurrency, so that requests also arrive while
+    # others decode (the second wave joins as the first ends), and at least 16, so that c = 1's
+    # percentiles rest on more than a few samples. Each level has its own prompts (seed c), the
+    # warm-up others (seed 0): random prompts share no prefix-cache block.
+    prompts = {c: random_prompts(cfg.vocab_size, [prompt_len] * max(2 * c, 16), seed=c)
+               for c in concurrency}
+    top, low = max(concurrency), min(concurrency)
+    warm_up = random_prompts(cfg.vocab_size, [prompt_len] * top, seed=0)
+    print(f"\nserving: Qwen3-0.6B shape, bf16, random weights; streaming /v1/completions over "
+          f"loopback HTTP, prompt {prompt_len} and output {output_len} tokens (ignore_eos), "
+          f"temperature {temperature}; against LLM.generate on the same requests")
+    # Warm-up: outputs of 1..top tokens, so that decode batches shrink through every size and
+    # each CUDA graph is captured, and top prompts of prompt_len for the prefill's tile sizes.
+    llm.generate(warm_up, [SamplingParams(max_tokens=1 + i, temperature=temperature,
+                                          ignore_eos=True) for i in range(top)])
+    # The engine alone first: once serve() has it, only the server's engine thread may call it.
+    offline = {c: offline_rate(llm, prompts[c], params, c) for c in concurrency}
+    llm.engine.block_manager.reset_prefix_cache()  # the server must not find these prompts
+    server = serve(llm, port=0)
+    results = {}
+    try:
+        if not server.wait_ready(timeout=60):
+            raise RuntimeError("the server did not become ready in 60 s")
+        serve_requests(server, warm_up, top, 16, temperature)  # the HTTP path, once
+        print(f"  {'concurrency':>11} {'requests':>8} {'output tok/s':>12} {'offline':>8} "
+              f"{'ratio':>6} {'TTFT p50':>9} {'p99 ms':>7} {'TPOT p50':>9} {'p99 ms':>7}")
+        for c in concurrency:
+            seconds, timings = serve_requests(server, prompts[c], c, output_len, temperature)
+            ttft, tpot = [1e3 * t for t, _ in timings], [1e3 * t for _, t in timings]
+            rate = len(timings) * output_len / seconds
+            r = results[c] = dict(
+                requests=len(timings), seconds=seconds, output_tok_s=rate,
+                offline_tok_s=offline[c], ttft_p50_ms=percentile(ttft, 50),
+                ttft_p99_ms=percentile(ttft, 99), tpot_p50_ms=percentile(tpot, 50),
+                tpot_p99_ms=percentile(tpot, 99))
+            print(f"  {c:>11} {r['requests']:>8} {rate:>12,.0f} {offline[c]:>8,.0f} "
+                  f"{rate / offline[c]:>6.0%} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} "
+                  f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f}", flush=True)
+    finally:
+        server.shutdown()
+    ttft_ratio = results[top]["ttft_p99_ms"] / results[low]["ttft_p99_ms"]
+    rate_ratio = results[top]["output_tok_s"] / results[top]["offline_tok_s"]
+    targets = dict(ttft_p99_ratio=ttft_ratio, ttft_met=ttft_ratio <= 2,
+                   throughput_ratio=rate_ratio, throughput_met=rate_ratio >= 0.8)
+    print(f"  target: p99 TTFT at concurrency {top} within 2x of concurrency {low}'s: "
+          f"{results[top]['ttft_p99_ms']:.1f} ms vs {results[low]['ttft_p99_ms']:.1f} ms, "
+          f"{ttft_ratio:.2f}x: {'met' if targets['ttft_met'] else 'missed'}")
+    print(f"  target: output tok/s at concurrency {top} at least 80% of the engine's alone: "
+          f"{results[top]['output_tok_s']:,.0f} vs {results[top]['offline_tok_s']:,.0f}, "
+          f"{rate_ratio:.0%}: {'met' if targets['throughput_met'] else 'missed'}")
+    return dict(concurrency=results, targets=targets)
 
 
 # ----------------------------------------------------------------------------------------------
