@@ -6023,6 +6023,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def route(self):
         self.body_state, self.streaming = "unread", False  # "unread", "reading", "read"
+        self.checked = time.monotonic()  # when wait() last checked that the client is there
         path = self.path.split("?", 1)[0]
         try:
             if path != "/health" and not self.app.ready.is_set():
@@ -6208,17 +6209,24 @@ class Handler(BaseHTTPRequestHandler):
                 engine.abort(job)  # whatever ended this early: its choices end in the engine too
 
     def wait(self, job):
-        """The job's next replies: at least one, and all that have come. While none comes, check
-        every POLL_SECONDS that the client is still there (ClientGone if not)."""
+        """The job's next replies: at least one, and all that have come. Every POLL_SECONDS,
+        whether replies come or not, check that the client is still there (ClientGone if not):
+        a client of a non-streamed answer, or of a stream whose text is held back (a stop
+        string's start), sees no write fail, and would hold its KV blocks to max_tokens."""
         while True:
             try:
                 replies = [job.replies.get(timeout=POLL_SECONDS)]
-                break
             except queue.Empty:
+                replies = []
+            now = time.monotonic()
+            if now - self.checked >= POLL_SECONDS:  # (a peek at the socket: a system call)
+                self.checked = now
                 if self.client_gone():
-                    raise ClientGone() from None
-                if self.app.stopped:  # (an engine thread that has stopped replies no more)
-                    raise APIError("the server is shutting down", 503) from None
+                    raise ClientGone()
+            if replies:
+                break
+            if self.app.stopped:  # (an engine thread that has stopped replies no more)
+                raise APIError("the server is shutting down", 503)
         while not job.replies.empty():
             replies.append(job.replies.get())
         return replies

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -899,6 +900,29 @@ def test_a_client_gone_before_its_first_token_is_aborted(server, llm, monkeypatc
     assert not llm.engine.requests
     monkeypatch.undo()
     assert Client(server.url).post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_a_client_gone_from_a_non_streamed_answer_is_aborted(server, llm, monkeypatch):
+    """Tokens keep coming to a non-streamed request, so its thread never waits long for one
+    and never writes: it must still notice its client gone, and the engine abort the request
+    well before its 250 tokens (5 s at the slowed step) are done."""
+    advance = llm.engine.advance
+
+    def slow():
+        time.sleep(0.02)
+        return advance()
+
+    monkeypatch.setattr(llm.engine, "advance", slow)
+    body = json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                 + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(0.3)  # running: some tokens made
+    assert server.engine.live
+    sock.close()
+    assert server.wait_idle(1.5) and not server.engine.live and not llm.engine.requests
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
 
 
 def test_speculative_decoding_across_concurrent_requests(q8, checkpoint, reference):
