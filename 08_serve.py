@@ -5394,18 +5394,28 @@ class EngineThread:
     def run(self):
         with torch.inference_mode():  # (grad mode is per thread)
             while True:
-                try:
-                    for command in self._next_commands():
-                        if command[0] == "stop":
-                            self._stop()
-                            return
+                for command in self._next_commands():
+                    if command[0] == "stop":
+                        self._stop()
+                        return
+                    # each command alone: a bug in one fails its job only, and the commands
+                    # after it (another's add, the stop) still run
+                    try:
                         getattr(self, "_" + command[0])(*command[1:])
+                    except Exception:
+                        LOG.exception("the engine thread failed on a %r command", command[0])
+                        command[1].replies.put(("failed", 500, "internal error in the engine "
+                                                               "(logged by the server)"))
+                try:
                     if self.engine.has_unfinished():
                         self._step()
                     self._publish()
                 except Exception:  # a bug: end the requests it touched, keep serving the rest
                     LOG.exception("the engine failed; its requests end with an error")
-                    self._fail_all(500, "internal error in the engine (logged by the server)")
+                    if not self._fail_all(500, "internal error in the engine (logged by the "
+                                               "server)"):
+                        self._stop()  # an engine that cannot be reset would fail every step:
+                        return  # the thread ends, and the HTTP threads see it gone (503)
 
     def _next_commands(self):
         """The commands waiting; while the engine has nothing to do, block for one."""
@@ -5479,7 +5489,8 @@ class EngineThread:
                 self.metrics.tpot.observe((choice.last - choice.first) / (choice.sent - 1))
 
     def _fail_all(self, status, message):
-        """End every live request (each job hears once) and clear the engine."""
+        """End every live request (each job hears once) and clear the engine; whether the
+        engine could be cleared."""
         jobs = {id(choice.job): choice.job for choice in self.live.values()}
         for job in jobs.values():
             job.replies.put(("failed", status, message))
@@ -5488,8 +5499,10 @@ class EngineThread:
         self.live.clear()
         try:
             self.engine.reset()  # aborts what is left, and waits for the step in flight
+            return True
         except Exception:
             LOG.exception("the engine could not be reset")
+            return False
 
     def _stop(self):
         self._fail_all(503, "the server is shutting down")
@@ -6227,6 +6240,8 @@ class Handler(BaseHTTPRequestHandler):
                 break
             if self.app.stopped:  # (an engine thread that has stopped replies no more)
                 raise APIError("the server is shutting down", 503)
+            if not self.app.engine.thread.is_alive():  # (nor does one that died)
+                raise APIError("the engine has stopped (the server logged why)", 503)
         while not job.replies.empty():
             replies.append(job.replies.get())
         return replies

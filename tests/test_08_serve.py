@@ -957,6 +957,66 @@ def test_speculative_decoding_across_concurrent_requests(q8, checkpoint, referen
         server.shutdown()
 
 
+def test_a_failing_command_fails_alone(q8, spare, monkeypatch):
+    """A bug in one engine command (add_sequence raising, once a batch) fails that request
+    only: the add after it in the same batch of commands still runs, and a stop after a failing
+    add still stops the engine thread, so that shutdown returns at once."""
+    server = q8.serve(spare)
+    engine = server.engine
+    gate, held = threading.Event(), threading.Event()
+
+    def hold():
+        held.set()
+        gate.wait()
+
+    monkeypatch.setattr(engine, "_gate", hold, raising=False)
+    add_sequence, failed = spare.engine.add_sequence, []
+
+    def add_once(seq):
+        if not failed:
+            failed.append(seq.request_id)
+            raise RuntimeError("a bug")
+        add_sequence(seq)
+
+    def batch(*actions):
+        """Run the actions (each puts one command) while the engine thread is held, then let
+        it take their commands all at once."""
+        gate.clear()
+        held.clear()
+        engine._put(("gate",))
+        assert held.wait(10)  # the thread is in the gate: what is queued now stays queued
+        threads = [threading.Thread(target=action) for action in actions]
+        for i, t in enumerate(threads):
+            t.start()
+            while engine.commands.qsize() < i + 1:
+                time.sleep(0.01)
+        failed.clear()
+        monkeypatch.setattr(spare.engine, "add_sequence", add_once)
+        gate.set()
+        return threads
+
+    statuses = []
+
+    def post():
+        body = {"prompt": "x", "max_tokens": 2}
+        statuses.append(Client(server.url, key=None).post("/v1/completions", body)[0])
+
+    try:
+        for t in batch(post, post):
+            t.join(10)
+        assert sorted(statuses) == [200, 500]
+        statuses.clear()
+        started = time.monotonic()
+        for t in batch(post, lambda: server.shutdown(timeout=10)):
+            t.join(10)
+        assert time.monotonic() - started < 3 and statuses in ([500], [503])
+    finally:
+        gate.set()
+        server.shutdown()
+    monkeypatch.undo()
+    assert not spare.engine.requests
+
+
 def test_while_loading_every_route_is_503(q8, spare):
     """serve() on a function that loads the model: 503 until it returns, then served (no API key
     on this one: none is asked for). A loader that fails leaves 503 with its error."""
