@@ -5097,6 +5097,12 @@ def _is_object(x):
     return isinstance(x, dict)
 
 
+def _is_real(x):
+    """_is_number (stage 07's), but an integer beyond a float's range (JSON allows 1 followed by
+    400 zeros) is not a number rather than an OverflowError from math.isfinite (a 500)."""
+    return not (_is_int(x) and abs(x) > sys.float_info.max) and _is_number(x)
+
+
 def _is_ids(x):
     return isinstance(x, list) and bool(x) and all(_is_int(t) for t in x)
 
@@ -5213,7 +5219,7 @@ def generation_request(body, chat, tokenizer, vocab_size):
 
 def sampling_fields(body, vocab_size):
     """The sampling fields of both endpoints, typed here; their ranges are SamplingParams'."""
-    number = (_is_number, "a number")
+    number = (_is_real, "a number in a float's range")
     top_k = field(body, "top_k", _is_int, "an integer", 0)
     return dict(
         temperature=field(body, "temperature", *number, 1.0),

@@ -707,6 +707,11 @@ def fuzz_cases(rng):
         name = rng.choice(list(wrong))
         body = {**valid, name: rng.choice(wrong[name] + anything)}
         cases.append(post(json.dumps(body).encode()))
+    for name in ("max_tokens", "temperature", "top_p", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "n", "logprobs", "seed", "top_k"):
+        for huge in (10**400, -10**400):  # integers beyond a float's range, in every number
+            if (name, huge) != ("top_k", 10**400):  # (a top_k past the vocabulary: all of it)
+                cases.append(post(json.dumps({**valid, name: huge}).encode()))
     for _ in range(25):  # broken JSON: cut or with bytes changed
         i = rng.randrange(1, len(text) - 1)
         broken = text[:i] if rng.random() < 0.5 else text[:i] + rng.choice("{}[]\",:x") + text[i:]
