@@ -5951,6 +5951,13 @@ def _likeliest(logprobs):
     return sorted(logprobs.items(), key=lambda item: -item[1])
 
 
+def _json_bytes(value):
+    """JSON in UTF-8. A lone surrogate ("\\ud800" is legal JSON) that a client sent in a name
+    and an error message repeats cannot be UTF-8: backslashreplace writes it as the escape
+    \\ud800, which (outside a string JSON has no characters beyond ASCII) is the JSON for it."""
+    return json.dumps(value, ensure_ascii=False).encode(errors="backslashreplace")
+
+
 def _refuse_constant(name):
     raise ValueError(f"{name} is not JSON")
 
@@ -6098,8 +6105,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def send_json(self, status, value, headers=()):
-        self.send_body(status, json.dumps(value, ensure_ascii=False).encode(), "application/json",
-                       headers)
+        self.send_body(status, _json_bytes(value), "application/json", headers)
 
     def read_json(self):
         """The body, a JSON object, within the limits: its size is known before it is read."""
@@ -6281,7 +6287,7 @@ class Handler(BaseHTTPRequestHandler):
     def write_events(self, events, done=False):
         """Server-sent events, one `data:` line each, in one write (and one chunk); done: then
         `data: [DONE]` and the end of the response."""
-        data = b"".join(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+        data = b"".join(b"data: " + _json_bytes(event) + b"\n\n"
                         for event in events) + (b"data: [DONE]\n\n" if done else b"")
         if self.chunked:
             data = (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + (

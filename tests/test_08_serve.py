@@ -663,6 +663,20 @@ def test_routes_methods_keys_and_sizes(client, server):
     assert status == 400 and "not valid JSON" in check_envelope(json.loads(data))["message"]
 
 
+def test_lone_surrogates_are_answered(client):
+    """"\ud800" is legal JSON but not UTF-8: in a model or field name the error repeats it
+    (escaped), in a prompt, a message or a stop string it is served like any text."""
+    for body, status, param in [({"prompt": "x", "model": "\ud800"}, 404, "model"),
+                                ({"prompt": "x", "\ud800": 1}, 400, "\ud800")]:
+        got, out = client.post("/v1/completions", body)
+        assert (got, check_envelope(out)["param"]) == (status, param)
+        assert "\ud800" in out["error"]["message"]
+    for path, body in [("/v1/completions", {"prompt": "a\ud800b", "stop": ["\udc00"]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "\udc00"}]})]:
+        assert client.post(path, {**body, "max_tokens": 2})[0] == 200
+
+
 def raw_exchange(server, data, shut_write=True):
     """Send raw bytes, read the raw answer until the server closes (or 10 s pass)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
