@@ -5212,6 +5212,8 @@ def generation_request(body, chat, tokenizer, vocab_size):
     except (ValueError, RecursionError) as e:  # (a schema nested deeper than Python recurses)
         named = re.match(r"SamplingParams\.(\w+)", str(e))
         param = named and ("response_format" if named[1] in STRUCTURED_FIELDS else named[1])
+        if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
+            param = "max_completion_tokens"  # the field the client sent
         raise APIError(str(e), param=param) from None
     return Generation(chat, prompts, params, n, stop_strings(body), stream, include_usage,
                       logprobs)

@@ -626,7 +626,8 @@ ERRORS = [  # (path, body, status, param, what the message says)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      400, "top_logprobs", "needs 'logprobs'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "max_completion_tokens": 0}, 400, "max_tokens", "positive"),
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "positive"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
      "tools", "unknown"),
 ]
