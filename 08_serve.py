@@ -6748,8 +6748,8 @@ def parse_args(argv=None):
                         help="default: 8000 with --model, a free port without")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route "
                         "but / and /health")
-    parser.add_argument("--served-model-name", help="the model's name in the API (default: the "
-                        "--model directory's name)")
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: "
+                        "--model as given, a Hub id or a path, as vLLM's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -6905,7 +6905,7 @@ def main(argv=None):
     try:
         server = serve(functools.partial(load_llm, args, args.model), args.host, port,
                        api_key=args.api_key,
-                       served_model_name=args.served_model_name or Path(args.model).name)
+                       served_model_name=args.served_model_name or args.model)
     except OSError as e:  # the port is taken, or the host is not this machine's
         sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")
     print(f"loading {args.model}; until it is ready, {server.url}/health answers 503", flush=True)
