@@ -5927,7 +5927,10 @@ class Answer:
     def logprobs(self, choice, entries):
         """OpenAI's logprobs of these entries, or None when not asked for. Chat: per token its
         text, logprob, UTF-8 bytes and top_logprobs, the k likeliest. Completions: parallel
-        lists, top_logprobs a {text: logprob} of the k likeliest and the sampled token."""
+        lists, top_logprobs a {text: logprob} of the k likeliest and the sampled token. Keyed
+        by text, as OpenAI's legacy format is, two ids of the same text (a byte token and an
+        added one, or pieces of one character, both U+FFFD) are one entry: fewer than k may
+        come back; chat's lists keep every id."""
         k = self.request.logprobs
         if k is None:
             return None
