@@ -613,6 +613,10 @@ ERRORS = [  # (path, body, status, param, what the message says)
     ("/v1/completions", {"prompt": "x", "response_format": {
         "type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, 400,
      "response_format", "free-form objects are not supported"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                    for i in range(500)}}}}}, 400,
+     "response_format.json_schema.schema", r"is 14,\d{3} bytes of JSON, over the limit of 8,192"),
     ("/v1/completions", {"prompt": list(range(1, 301))}, 400, None,
      "is 300 tokens, longer than max_model_len 256"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 256}, 400, None,
