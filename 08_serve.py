@@ -19,14 +19,14 @@ What this stage teaches
         across concurrent requests, with greedy outputs identical to plain decoding.
 
 New since stage 07: all of the above: `Detokenizer`; `serve` and the `Server` it returns, with
-the request checks (`generation_request`), the `EngineThread`, the HTTP `Handler` and the
-`Metrics`. Changed: the command line, which serves a model. Kept unchanged: the model,
-tokenizer, engine, kernels and their torch twins (the tests' reference paths), the demo model and
-tokenizer, the downloads. Dropped (each lives on in stage 07): every --bench of stage 07
-(structured output, decode attention, paged decode, decode tokens/s against transformers,
-offline throughput, speculative decoding) and their helpers; main's demonstrations (generations,
-structured output, continuous batching step by step, the kernels against torch, tokens/s) and
-their flags.
+the request checks (`generation_request`), the `EngineThread`, the HTTP `Handler`, the
+`Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the serving bench. Changed: the
+command line, which serves a model. Kept unchanged: the model, tokenizer, engine, kernels and
+their torch twins (the tests' reference paths), the demo model and tokenizer, the downloads.
+Dropped (each lives on in stage 07): every --bench of stage 07 (structured output, decode
+attention, paged decode, decode tokens/s against transformers, offline throughput, speculative
+decoding) and their helpers; main's demonstrations (generations, structured output, continuous
+batching step by step, the kernels against torch, tokens/s) and their flags.
 
 Run
     python 08_serve.py                   # a small random Qwen3 with main's demo tokenizer: starts
@@ -6029,9 +6029,13 @@ class Handler(BaseHTTPRequestHandler):
         super().finish()
 
     def handle_one_request(self):
-        """BaseHTTPRequestHandler's, with a shorter request line, and every method routed by
-        route(): an unknown method is a 405 (or a 404), not a 501."""
+        """BaseHTTPRequestHandler's, with a shorter request line, a deadline for the whole
+        request, and every method routed by route(): an unknown method is a 405 (or a 404), not
+        a 501."""
+        self.late = self.watchdog = None
         try:
+            if self.rfile.peek(1):  # a request begins (or the client closed: b"")
+                self.start_deadline()
             self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
             if not self.raw_requestline:
                 self.close_connection = True
@@ -6040,9 +6044,34 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG,
                                 f"the request line is over {MAX_REQUEST_LINE:,} bytes")
             elif self.parse_request():
+                if self.command != "POST":  # (no body to wait for)
+                    self.stop_deadline()
                 self.route()
         except OSError:  # the client went away, or stalled past the timeout
             self.close_connection = True
+        finally:
+            self.stop_deadline()
+
+    def start_deadline(self):
+        """`timeout` bounds each read, but a client that trickles a byte at a time never lets
+        one time out: the request line, headers and body together get `timeout` seconds too.
+        Past them the reading side of the socket is shut, so the blocked read sees the end of
+        the stream (and the answer can still be written)."""
+        def expire():
+            self.late = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RD)
+        self.late = False
+        self.watchdog = threading.Timer(self.timeout, expire)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def stop_deadline(self):
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+            if self.late:  # the request's bytes stopped coming: nothing more can be read
+                self.close_connection = True
 
     def parse_request(self):
         rfile, self.rfile = self.rfile, _HeaderLimit(self.rfile)
@@ -6137,6 +6166,10 @@ class Handler(BaseHTTPRequestHandler):
             data = self.rfile.read(size)
         except TimeoutError:
             raise APIError(f"the body did not arrive within {self.timeout} s", 408) from None
+        self.stop_deadline()
+        if self.late:
+            self.body_state = "timed out"
+            raise APIError(f"the request did not arrive within {self.timeout} s", 408)
         if len(data) < size:
             raise APIError(f"the body ended after {len(data):,} of its {size:,} bytes")
         self.body_state = "read"

@@ -11,6 +11,7 @@ One server (the tiny random Qwen3 of main, with main's demo tokenizer, behind an
 the module on a free loopback port; the tests that need a server of their own (loading, shutdown,
 speculation) start one on the spare LLM, one after another, and stop it.
 """
+import contextlib
 import http.client
 import json
 import os
@@ -26,7 +27,6 @@ import time
 
 import openai
 import pytest
-import torch
 from conftest import ROOT, load_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -1039,6 +1039,48 @@ def test_a_failing_command_fails_alone(q8, spare, monkeypatch):
         server.shutdown()
     monkeypatch.undo()
     assert not spare.engine.requests
+
+
+def trickle(server, parts, pause):
+    """Send parts with a pause after each (shorter than the server's timeout), and then read
+    until the server closes. Returns (the answer, seconds it took, parts sent before the
+    server cut the connection)."""
+    start, sent = time.monotonic(), 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        try:
+            for part in parts:
+                sock.sendall(part)
+                sent += 1
+                time.sleep(pause)
+        except OSError:  # the server shut the connection
+            pass
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    return answer, time.monotonic() - start, sent
+
+
+def test_a_trickled_request_is_cut_off(q8, spare):
+    """Each read waits at most `timeout`, and the whole request (line, headers, body) too: a
+    client that sends a byte at a time, each just in time, does not hold its thread for
+    longer. Headers cut short close the connection; a body cut short is a 408."""
+    server = q8.serve(spare, timeout=0.6)
+    try:
+        head = b"POST /tokenize HTTP/1.1\r\nContent-Length: 40\r\n" + b"X-Pad: 1\r\n" * 30
+        answer, seconds, sent = trickle(server, [bytes([b]) for b in head], 0.05)
+        assert seconds < 3 and sent < len(head), (seconds, sent)  # not 40 x 0.05 s per line
+        assert not answer or parse_raw(answer)[0] in (400, 408)
+        body = json.dumps({"prompt": "a" * 25}).encode()
+        answer, seconds, sent = trickle(
+            server, [b"POST /tokenize HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body)]
+            + [bytes([b]) for b in body], 0.1)
+        status, error = parse_raw(answer)
+        assert status == 408 and "did not arrive within 0.6 s" in check_envelope(error)["message"]
+        assert seconds < 3 and sent < len(body)
+        assert Client(server.url, key=None).post("/tokenize", {"prompt": "a"})[0] == 200
+    finally:
+        server.shutdown()
 
 
 def test_while_loading_every_route_is_503(q8, spare):
