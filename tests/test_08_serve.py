@@ -1237,21 +1237,6 @@ def test_a_bad_flag_stops_main_before_any_work(q8, monkeypatch, capsys, tmp_path
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_every_flag_has_help(q8, monkeypatch):
-    import argparse
-    flags = []
-    original = argparse._ActionsContainer.add_argument
-
-    def record(parser, *args, **kwargs):
-        flags.append((args[0], kwargs.get("help")))
-        return original(parser, *args, **kwargs)
-
-    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", record)
-    with pytest.raises(SystemExit):
-        q8.main(["--help"])
-    assert len(flags) > 10 and [flag for flag, text in flags if not text and flag != "-h"] == []
-
-
 BROWSER = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome",
                                                 "google-chrome-stable") if shutil.which(name)),
                None)

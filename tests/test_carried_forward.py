@@ -118,7 +118,7 @@ def test_asking_for_cuda_without_a_gpu(stage, monkeypatch, capsys):
     assert "this machine has no CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["01_tensors", "02_gpt", *STAGES])
+@pytest.mark.parametrize("name", ["01_tensors", "02_gpt", *STAGES, "07_engine", "08_serve"])
 def test_every_flag_has_help(name, monkeypatch, capsys):
     """`--help` of every stage says what each flag does."""
     stage, flags = load_stage(name), []
