@@ -153,9 +153,15 @@ def token_string(tokenizer, token_id):
 
 # ----------------------------------------------------------------------- the text boundary
 
-def detokenize(q8, table, ids, stop=(), special=frozenset()):
+def detokenize(q8, table, ids, stop=(), special=frozenset(), rng=None):
+    """The pieces, token by token, and whether a stop string ended it. Given rng, the ids go in
+    random groups through add_many instead (a stream's chunk), which must give the same text."""
     d = q8.Detokenizer(table, special, stop)
-    pieces = [d.add(t) for t in ids]
+    if rng is None:
+        pieces = [d.add(t) for t in ids]
+    else:
+        cuts = sorted(rng.sample(range(len(ids) + 1), rng.randint(0, len(ids) + 1)))
+        pieces = [d.add_many(ids[i:j]) for i, j in zip([0, *cuts], [*cuts, len(ids)])]
     return pieces + [d.finish()], d.stopped
 
 
@@ -187,9 +193,10 @@ def test_detokenizer_pieces_add_up_to_the_full_decode(q8):
                 ids.insert(rng.randint(0, len(ids)), extra)
         stop = [rng.choice(["a", "ab", "b€", "€😀", "ba", "aa", "😀\n"])
                 for _ in range(rng.randint(0, 3))]
-        pieces, stopped = detokenize(q8, table, ids, stop, special)
-        assert ("".join(pieces), stopped) == full_decode_cut(table, ids, stop, special), \
-            (tokens, ids, stop)
+        expected = full_decode_cut(table, ids, stop, special)
+        for grouped in (None, rng):  # token by token; in groups (add_many)
+            pieces, stopped = detokenize(q8, table, ids, stop, special, grouped)
+            assert ("".join(pieces), stopped) == expected, (tokens, ids, stop)
 
 
 def test_detokenizer_hard_cases(q8):
@@ -236,8 +243,10 @@ def test_detokenizer_on_the_demo_tokenizer(q8, reference):
         stop = [s for s in stop if s]
         cuts = [text.find(s) for s in stop if text.find(s) >= 0]
         expected = text[:min(cuts)] if cuts else text
-        pieces, stopped = detokenize(q8, tokenizer.token_bytes, ids, stop, tokenizer.special_ids)
-        assert "".join(pieces) == expected and stopped == bool(cuts)
+        for grouped in (None, rng):  # token by token; in groups (add_many)
+            pieces, stopped = detokenize(q8, tokenizer.token_bytes, ids, stop,
+                                         tokenizer.special_ids, grouped)
+            assert "".join(pieces) == expected and stopped == bool(cuts)
 
 
 def random_json(rng, depth):
