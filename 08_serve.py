@@ -5383,20 +5383,27 @@ class Choice:
 
 
 class EngineThread:
-    """The thread that owns an LLM's engine (see above). Commands: add(job), abort(job, choices,
-    reason), stop(). wait_idle() waits until the engine has no request left and no command is
-    waiting: for tests and benches, which then read the engine's state."""
+    """The thread that owns an LLM's engine (see above). Commands: add(job), deliver(job,
+    delivery), abort(job, choices, reason), stop(). wait_idle() waits until the engine has no
+    request left, no command is waiting and no delivery is open: for tests and benches, which
+    then read the engine's state."""
 
     def __init__(self, llm, metrics):
         self.engine, self.metrics = llm.engine, metrics
         self.commands = queue.SimpleQueue()
         self.live = {}  # engine request id -> Choice, until it ends
+        self.deliveries = {}  # job -> its Delivery, until it is done
+        self.checked = time.monotonic()  # when _serve_deliveries last looked for clients gone
         self.idle, self.idle_changed = True, threading.Condition()
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self.thread.start()
 
     def add(self, job):
         self._put(("add", job))
+
+    def deliver(self, job, delivery):
+        """From now on the engine thread serves the job's replies (see Delivery)."""
+        self._put(("deliver", job, delivery))
 
     def abort(self, job, choices=None, reason="abort"):
         """End a job's choices (default: all) still in the engine; reason, for the metrics: "stop"
@@ -5432,6 +5439,10 @@ class EngineThread:
                         LOG.exception("the engine thread failed on a %r command", command[0])
                         command[1].replies.put(("failed", 500, "internal error in the engine "
                                                                "(logged by the server)"))
+                        if command[0] == "deliver":  # (its HTTP thread waits on the delivery)
+                            command[2].error = APIError("internal error in the engine (logged "
+                                                        "by the server)", 500)
+                            command[2].done.set()
                 try:
                     if self.engine.has_unfinished():
                         self._step()
@@ -5442,16 +5453,20 @@ class EngineThread:
                                                "server)"):
                         self._stop()  # an engine that cannot be reset would fail every step:
                         return  # the thread ends, and the HTTP threads see it gone (503)
+                self._serve_deliveries()  # (while the GPU runs the step just launched)
 
     def _next_commands(self):
         """The commands waiting; while the engine has nothing to do, block for one."""
+        commands = []
         if not self.engine.has_unfinished():
             with self.idle_changed:
-                self.idle = self.commands.empty()
+                self.idle = self.commands.empty() and not self.deliveries
                 self.idle_changed.notify_all()
-            commands = [self.commands.get()]
-        else:
-            commands = []
+            try:  # (with deliveries open, their clients are still watched)
+                commands.append(self.commands.get(timeout=POLL_SECONDS if self.deliveries
+                                                  else None))
+            except queue.Empty:
+                pass
         while not self.commands.empty():
             commands.append(self.commands.get())
         return commands
@@ -5475,6 +5490,44 @@ class EngineThread:
         with self.metrics.lock:
             self.metrics.prompt_tokens += sum(seq.num_prompt_tokens for seq in seqs)
         job.replies.put(("accepted",))
+
+    def _deliver(self, job, delivery):
+        self.deliveries[job] = delivery
+
+    def _serve_deliveries(self):
+        """Serve every open Delivery: its new tokens as text, a stream's chunks to its socket;
+        every POLL_SECONDS, whether its client is still there. End those that are done (their
+        HTTP threads wake): finished, failed, or with their clients gone (their requests are
+        aborted). A bug in one ends that one only.
+
+        Here, not on each request's HTTP thread: Python runs one thread at a time (the
+        interpreter lock), and 64 HTTP threads each taking it for their own stream's chunks
+        kept the engine thread waiting for it between its steps (H200: 0.80x of the engine's
+        tokens/s at best, and a new request waited 24 ms for the engine to see it). The engine
+        thread does this work while the GPU runs the step it just launched."""
+        now = time.monotonic()
+        check = now - self.checked >= POLL_SECONDS
+        if check:
+            self.checked = now
+        for job, delivery in list(self.deliveries.items()):
+            try:
+                delivery.take(lambda index: self._abort(job, [index], "stop"))
+                if delivery.stream:
+                    delivery.write(now)
+                if not delivery.finished and not (check and delivery.client_gone()):
+                    continue
+                delivery.gone = not delivery.finished
+            except APIError as e:
+                delivery.error = e
+            except (ClientGone, OSError):
+                delivery.gone = True
+            except Exception:
+                LOG.exception("a request's delivery failed")
+                delivery.error = APIError("internal server error (the server logged it)", 500)
+            del self.deliveries[job]
+            if not delivery.finished:
+                self._abort(job, None, "abort")
+            delivery.done.set()
 
     def _abort(self, job, choices, reason):
         for index in range(len(job.requests)) if choices is None else choices:
@@ -5532,6 +5585,11 @@ class EngineThread:
 
     def _stop(self):
         self._fail_all(503, "the server is shutting down")
+        self._serve_deliveries()  # each open delivery takes its job's failure, and ends
+        for delivery in self.deliveries.values():  # (none should be left)
+            delivery.error = APIError("the server is shutting down", 503)
+            delivery.done.set()
+        self.deliveries.clear()
         with self.idle_changed:
             self.idle = True
             self.idle_changed.notify_all()
@@ -5655,10 +5713,12 @@ class Metrics:
 
 LOG = logging.getLogger("08_serve")
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
-# A stream writes at most every STREAM_INTERVAL seconds, a chunk carrying every token since the
-# last: the HTTP threads' per-chunk Python takes the interpreter lock from the engine thread.
-# (H200, 64 streams of 0.6B: 0.44x of the engine's tokens/s at 10 ms, 0.80x at 50 ms.)
-STREAM_INTERVAL = 0.05
+# A stream writes at most every STREAM_INTERVAL seconds (serve's stream_interval), a chunk
+# carrying every token since the last: each write is Python on the engine thread (see Delivery).
+# (H200, 64 streams of 0.6B: 0.69x of the engine's tokens/s writing every step, 0.83-0.86x at
+# 20 ms.)
+STREAM_INTERVAL = 0.02
+MAX_PENDING_BYTES = 4 << 20  # of a stream, not read by its client yet (the client is dropped)
 MAX_REQUEST_LINE = 8192  # bytes of "POST /v1/completions HTTP/1.1" (414 beyond)
 MAX_HEADER_BYTES = 64 << 10  # of all the header lines together (431 beyond)
 LINGER_SECONDS, LINGER_BYTES = 2.0, 16 << 20  # what a refused client may still send (finish)
@@ -5991,6 +6051,101 @@ def _json_bytes(value):
     return json.dumps(value, ensure_ascii=False).encode(errors="backslashreplace")
 
 
+def sse_bytes(events, done, chunked):
+    """Server-sent events, one `data:` line each; done: then `data: [DONE]` (and, chunked, the
+    last chunk). chunked: the bytes as one chunk of HTTP/1.1's chunked transfer encoding."""
+    data = b"".join(b"data: " + _json_bytes(event) + b"\n\n" for event in events) + (
+        b"data: [DONE]\n\n" if done else b"")
+    if chunked:
+        data = (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + (
+            b"0\r\n\r\n" if done else b"")
+    return data
+
+
+class Delivery:
+    """A generation request after the engine accepted it, as the engine thread serves it (see
+    EngineThread._serve_deliveries): after each step, the job's replies go through its choices'
+    ChoiceText (text, stop strings, logprobs) and, for a stream, out to the client as events,
+    at most every `interval` seconds: a chunk a choice, with every token since the last. Its
+    HTTP thread waits meanwhile (done), then sends what is left: a non-streamed answer, an
+    error, or the stream's last bytes.
+
+    The socket is non-blocking meanwhile, so that no client can hold the engine: bytes it has
+    not read yet wait in `pending`, and a client that reads nothing for `timeout` seconds, or
+    falls MAX_PENDING_BYTES behind, is dropped like one that hung up (`gone`)."""
+
+    def __init__(self, job, answer, choices, replies, sock, chunked, interval, timeout):
+        self.job, self.answer, self.choices = job, answer, choices
+        self.replies = list(replies)  # taken from the job's queue with the engine's answer
+        self.sock, self.chunked = sock, chunked
+        self.stream, self.interval, self.timeout = answer.request.stream, interval, timeout
+        self.news = {}  # a stream's choice index -> ([text], [logprob entries]) not sent yet
+        self.pending = bytearray()  # a stream's bytes that the socket has not taken yet
+        self.ended = False  # its last events are written (to pending, at least)
+        self.next_write = self.progress = 0.0  # (time.monotonic) the socket last took bytes
+        self.error = None  # the APIError that ended it
+        self.gone = False  # its client hung up, or stopped reading
+        self.done = threading.Event()
+
+    @property
+    def finished(self):
+        return all(choice.finish_reason is not None for choice in self.choices)
+
+    def take(self, stop):
+        """The replies come so far, as text; stop(index): a stop string ended that choice, which
+        the engine must stop too. A failure raises its APIError."""
+        replies, self.replies, queued = self.replies, [], self.job.replies
+        while not queued.empty():
+            replies.append(queued.get())
+        for reply in replies:
+            if reply[0] == "failed":
+                raise APIError(reply[2], reply[1])
+            _, index, tokens, logprobs, finish_reason, stop_token_id = reply
+            choice = self.choices[index]
+            if choice.finish_reason is not None:  # a stop string ended it already
+                continue
+            text, entries = choice.add(tokens, logprobs, finish_reason, stop_token_id)
+            if choice.finish_reason is not None and finish_reason is None:
+                stop(index)
+            if self.stream and (text or entries or choice.finish_reason):
+                pieces, all_entries = self.news.setdefault(index, ([], []))
+                pieces.append(text)
+                all_entries += entries
+
+    def write(self, now):
+        """A stream's chunks when due, and its end once finished; then as much of what is
+        pending as the socket takes without waiting. ClientGone or OSError: drop the client."""
+        finished = self.finished and not self.ended
+        if finished or (self.news and now >= self.next_write and not self.ended):
+            events = [self.answer.chunk(self.choices[i], "".join(pieces), entries)
+                      for i, (pieces, entries) in self.news.items()]
+            if finished and self.answer.request.include_usage:
+                events.append(self.answer.usage_chunk(self.choices))
+            if not self.pending:
+                self.progress = now  # (the clock of a client that reads nothing)
+            self.pending += sse_bytes(events, finished, self.chunked)
+            self.news, self.next_write, self.ended = {}, now + self.interval, finished
+        if self.pending:
+            try:
+                sent = self.sock.send(self.pending)
+            except BlockingIOError:  # its buffer is full: the client has not read
+                sent = 0
+            del self.pending[:sent]
+            if sent:
+                self.progress = now
+            elif now - self.progress > self.timeout or len(self.pending) > MAX_PENDING_BYTES:
+                raise ClientGone()
+
+    def client_gone(self):
+        """Whether the client has closed its end: a peek at the (non-blocking) socket."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:  # nothing to read: still there
+            return False
+        except OSError:
+            return True
+
+
 def _refuse_constant(name):
     raise ValueError(f"{name} is not JSON")
 
@@ -6273,45 +6428,33 @@ class Handler(BaseHTTPRequestHandler):
                 self.start_stream()
                 if chat:
                     self.write_events([answer.role_chunk(choice) for choice in choices])
-            next_write = 0.0  # (time.monotonic) a stream writes at most every STREAM_INTERVAL
-            while any(choice.finish_reason is None for choice in choices):
-                news, replies = {}, replies or self.wait(job, next_write)
-                for reply in replies:
-                    if reply[0] == "failed":
-                        raise APIError(reply[2], reply[1])
-                    _, index, tokens, logprobs, finish_reason, stop_token_id = reply
-                    choice = choices[index]
-                    if choice.finish_reason is not None:  # a stop string ended it already
-                        continue
-                    text, entries = choice.add(tokens, logprobs, finish_reason, stop_token_id)
-                    if choice.finish_reason is not None and finish_reason is None:
-                        engine.abort(job, [index], "stop")  # a stop string: the engine stops too
-                    if request.stream and (text or entries or choice.finish_reason):
-                        pieces, all_entries = news.setdefault(index, ([], []))
-                        pieces.append(text)
-                        all_entries += entries
-                replies = []
-                if news:  # a chunk a choice, with all its steps' tokens since the last one
-                    self.write_events([answer.chunk(choices[i], "".join(pieces), entries)
-                                       for i, (pieces, entries) in news.items()])
-                    next_write = time.monotonic() + STREAM_INTERVAL
-            if request.stream:
-                self.write_events([answer.usage_chunk(choices)] if request.include_usage else [],
-                                  done=True)
-            else:
+            # the engine thread serves the rest (see Delivery); this thread waits
+            delivery = Delivery(job, answer, choices, replies, self.connection,
+                                request.stream and self.chunked, self.app.stream_interval,
+                                self.timeout)
+            self.connection.setblocking(False)
+            try:
+                engine.deliver(job, delivery)
+                while not delivery.done.wait(POLL_SECONDS):
+                    if not engine.thread.is_alive():  # (one that died serves no more)
+                        raise APIError("the engine has stopped (the server logged why)", 503)
+            finally:
+                self.connection.settimeout(self.timeout)
+            if delivery.gone:
+                raise ClientGone()
+            self.wfile.write(delivery.pending)  # a stream's bytes the socket had not taken
+            if delivery.error is not None:
+                raise delivery.error
+            if not request.stream:
                 self.send_json(200, answer.response(choices))
         finally:
             if not choices or any(choice.finish_reason is None for choice in choices):
                 engine.abort(job)  # whatever ended this early: its choices end in the engine too
 
-    def wait(self, job, not_before=0.0):
-        """The job's next replies: at least one, and all that have come by then. It sleeps first
-        until the time.monotonic() `not_before` (a stream's next write), so that the engine's
-        put of each step's tokens wakes no thread. Every POLL_SECONDS, whether
-        replies come or not, check that the client is still there (ClientGone if not): a client
-        of a non-streamed answer, or of a stream whose text is held back (a stop string's start),
-        sees no write fail, and would hold its KV blocks to max_tokens."""
-        time.sleep(max(0.0, not_before - time.monotonic()))
+    def wait(self, job):
+        """The job's next replies: at least one, and all that have come. Every POLL_SECONDS,
+        whether replies come or not, check that the client is still there (ClientGone if not):
+        a client that hangs up before the engine has answered would hold its KV blocks."""
         while True:
             try:
                 replies = [job.replies.get(timeout=POLL_SECONDS)]
@@ -6359,14 +6502,9 @@ class Handler(BaseHTTPRequestHandler):
         self.streaming = True
 
     def write_events(self, events, done=False):
-        """Server-sent events, one `data:` line each, in one write (and one chunk); done: then
-        `data: [DONE]` and the end of the response."""
-        data = b"".join(b"data: " + _json_bytes(event) + b"\n\n"
-                        for event in events) + (b"data: [DONE]\n\n" if done else b"")
-        if self.chunked:
-            data = (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + (
-                b"0\r\n\r\n" if done else b"")
-        self.wfile.write(data)
+        """Server-sent events in one write (sse_bytes); done: then `data: [DONE]` and the end of
+        the response."""
+        self.wfile.write(sse_bytes(events, done, self.chunked))
 
 
 class _HTTPServer(ThreadingHTTPServer):  # (its threads are daemon threads)
@@ -6377,7 +6515,8 @@ class Server:
     """A running server (see serve): url, port, model_name, llm (None while loading),
     wait_ready, wait_idle, shutdown."""
 
-    def __init__(self, llm, host, port, api_key, served_model_name, max_body_bytes, timeout):
+    def __init__(self, llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
+                 stream_interval=STREAM_INTERVAL):
         if isinstance(llm, LLM):
             if llm.tokenizer is None:
                 raise ValueError("serve needs an LLM with a tokenizer: the API is text in, "
@@ -6391,7 +6530,11 @@ class Server:
             raise ValueError(f"max_body_bytes = {max_body_bytes!r} must be a positive int")
         if not _is_number(timeout) or timeout <= 0:
             raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds")
+        if not _is_number(stream_interval) or stream_interval < 0:
+            raise ValueError(f"stream_interval = {stream_interval!r} must be a number of seconds "
+                             f">= 0")
         self.api_key, self.max_body_bytes, self.timeout = api_key, max_body_bytes, timeout
+        self.stream_interval = stream_interval
         self.model_name = served_model_name or "qwen3"
         self.llm = self.engine = self.load_error = None
         self.metrics = Metrics()
@@ -6460,15 +6603,18 @@ class Server:
 
 
 def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None,
-          max_body_bytes=1 << 20, timeout=30.0):
+          max_body_bytes=1 << 20, timeout=30.0, stream_interval=STREAM_INTERVAL):
     """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port; port 0 takes a free
     one. llm may also be a function that returns the LLM: it then loads on a thread of its own,
     and until it is ready every route answers 503. api_key: required on every route but / and
     /health ("Authorization: Bearer KEY"). served_model_name: the model's name in the API
     (default "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds
-    that any read or write on a client's socket may take. Returns the Server as soon as its
-    socket is bound; its threads are daemon threads."""
-    return Server(llm, host, port, api_key, served_model_name, max_body_bytes, timeout)
+    that any read or write on a client's socket may take (and a stream's client may take to read
+    what it was sent). stream_interval: a stream writes at most every so many seconds, a chunk
+    carrying the tokens since the last (0: every step). Returns the Server as soon as its socket
+    is bound; its threads are daemon threads."""
+    return Server(llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
+                  stream_interval)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -6504,11 +6650,13 @@ def random_model(cfg, device, dtype, seed=0):
 # ----------------------------------------------------------------------------------------------
 # NEW in stage 08. vLLM's `bench serve` in small: the server runs in this process on Qwen3-0.6B's
 # shape (random bf16 weights), and client threads send it streaming /v1/completions requests
-# over loopback HTTP, at most c at a time, each on its own connection. Per request: the time to first token
-# (TTFT: the request sent -> the first chunk with text), and the time per output token after it
-# (TPOT: (end - first token) / (output tokens - 1)). Per concurrency: output tokens/s over the
+# over loopback HTTP from c clients, each on its own connection. Per request: the time to first
+# token (TTFT: the request sent -> the first chunk with text), and the time per output token after
+# it (TPOT: (end - first token) / (output tokens - 1)). Per concurrency: output tokens/s over the
 # wall time, and TTFT and TPOT at p50 and p99. The same requests through LLM.generate give the
-# engine's own rate: the gap is what the server costs.
+# engine's own rate, and its time to the first token of a whole wave: the gaps are what the
+# server costs. A wave of c requests arriving together waits for all their prefills, so TTFT is
+# measured once more at the highest concurrency with the arrivals spread out (send_requests).
 #
 # The clients run in a process of their own, as vLLM's do: threads of the server's process would
 # take the interpreter lock (the GIL) from the server for every chunk they parse. (Measured on the
@@ -6680,14 +6828,15 @@ def latencies(timings):
 
 
 def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
-                temperature=0.6):
+                temperature=0.6, stream_interval=STREAM_INTERVAL):
     """The server over HTTP against the engine alone (see above), at each concurrency, on
     Qwen3-0.6B's shape with random bf16 weights: prompt_len random token ids a prompt,
     output_len tokens each (ignore_eos). Temperature 0.6 (Qwen3's recommended setting): a
     server is benchmarked on sampling, which costs a little more than greedy, as 07's
-    throughput bench is. Checks the two targets: p99 TTFT at the highest concurrency within 2x
-    of the lowest's, and output tokens/s at the highest at least 80% of the engine's alone.
-    Returns the figures, or None without a GPU."""
+    throughput bench is. stream_interval: the server's (serve). Checks the two targets: p99
+    TTFT at the highest concurrency, arrivals spread, within 2x of the lowest's; and output
+    tokens/s at the highest at least 80% of the engine's alone. Returns the figures, or None
+    without a GPU."""
     if device.type != "cuda":
         print("serving bench: needs a CUDA GPU; skipped")
         return None
@@ -6715,7 +6864,7 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
     # The engine alone first: once serve() has it, only the server's engine thread may call it.
     offline = {c: offline_rate(llm, prompts[c], params, c) for c in concurrency}
     llm.engine.block_manager.reset_prefix_cache()  # the server must not find these prompts
-    server = serve(llm, port=0)
+    server = serve(llm, port=0, stream_interval=stream_interval)
     # spawn, not fork: a forked child of a process with CUDA and running threads may hang
     clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     results = {}
@@ -6847,6 +6996,14 @@ def port_number(text):
     return value
 
 
+def seconds(text):
+    """argparse type: a number of seconds >= 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="a Hugging Face Qwen3 directory, or a Hub id such as "
@@ -6860,6 +7017,9 @@ def parse_args(argv=None):
                         "but / and /health")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: "
                         "--model as given, a Hub id or a path, as vLLM's)")
+    parser.add_argument("--stream-interval", type=seconds, default=STREAM_INTERVAL,
+                        help="a stream writes at most every so many seconds, a chunk with the "
+                        "tokens since the last; 0: every engine step (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -6969,7 +7129,8 @@ def demo(args):
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
         llm = load_llm(args, random_checkpoint(demo_tokenizer(tmp, args.data_dir), seed=0))
     server = serve(llm, args.host, args.port or 0, api_key=args.api_key,
-                   served_model_name=args.served_model_name or "tiny-random-qwen3")
+                   served_model_name=args.served_model_name or "tiny-random-qwen3",
+                   stream_interval=args.stream_interval)
     print(f"serving a tiny random Qwen3 at {server.url}; over HTTP:")
     post = functools.partial(http_request, server.url, "POST", api_key=args.api_key)
     try:
@@ -7002,7 +7163,7 @@ def demo(args):
 def main(argv=None):
     args = parse_args(argv)
     if args.bench:
-        bench_serve(torch.device(args.device))
+        bench_serve(torch.device(args.device), stream_interval=args.stream_interval)
         return
     if args.model is None:
         demo(args)
@@ -7014,7 +7175,7 @@ def main(argv=None):
     port = 8000 if args.port is None else args.port
     try:
         server = serve(functools.partial(load_llm, args, args.model), args.host, port,
-                       api_key=args.api_key,
+                       api_key=args.api_key, stream_interval=args.stream_interval,
                        served_model_name=args.served_model_name or args.model)
     except OSError as e:  # the port is taken, or the host is not this machine's
         sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")

@@ -958,6 +958,99 @@ def test_a_client_gone_from_a_non_streamed_answer_is_aborted(server, llm, monkey
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
+def test_a_stream_writes_at_most_every_stream_interval(q8, spare, reference):
+    """stream_interval 30 s: a stream's first tokens go out at once, and every token after them
+    waits for the next write, which its end makes; the text is the engine's all the same."""
+    with pytest.raises(ValueError, match="stream_interval"):
+        q8.serve(spare, stream_interval=-1)
+    server = q8.serve(spare, stream_interval=30.0)
+    try:
+        start = time.monotonic()
+        events = Client(server.url).stream("/v1/completions", {
+            "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True})
+        assert time.monotonic() - start < 10
+    finally:
+        server.shutdown()
+    expected = generate(q8, reference, [PROMPTS[0]], max_tokens=12, temperature=0,
+                        ignore_eos=True)[0]
+    assert "".join(e["choices"][0]["text"] for e in events) == expected.text
+    assert len(events) <= 2 and [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
+
+
+class StallingSocket:
+    """A non-blocking socket's send, as the engine thread sees it: each call takes the next of
+    `takes` bytes (0: its buffer is full, BlockingIOError), then everything."""
+
+    def __init__(self, takes):
+        self.takes, self.data = list(takes), bytearray()
+
+    def send(self, data):
+        n = min(self.takes.pop(0), len(data)) if self.takes else len(data)
+        if n == 0:
+            raise BlockingIOError
+        self.data += data[:n]
+        return n
+
+
+def unchunk(data):
+    """The body of an HTTP/1.1 chunked transfer, its framing checked."""
+    body, rest = bytearray(), bytes(data)
+    while True:
+        size, rest = rest.split(b"\r\n", 1)
+        n = int(size, 16)
+        assert rest[n:n + 2] == b"\r\n"
+        body, rest = body + rest[:n], rest[n + 2:]
+        if n == 0:
+            assert rest == b""
+            return bytes(body)
+
+
+def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, llm, monkeypatch):
+    """Delivery.write on a socket that takes a few bytes at a time, or none: what it could not
+    send waits (the engine thread never blocks), the bytes that arrive in the end are the whole
+    stream; a client that reads nothing for `timeout` seconds, or falls MAX_PENDING_BYTES
+    behind, is dropped (ClientGone)."""
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("Every effort moves you forward, €5 at a time")
+
+    def delivery(sock, timeout=1.0):
+        body = {"prompt": "x", "max_tokens": len(ids), "stream": True,
+                "stream_options": {"include_usage": True}}
+        request = q8.generation_request(body, False, tokenizer, llm.model.cfg.vocab_size)
+        answer = q8.Answer(request, "m", tokenizer.token_bytes)
+        choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
+        job = q8.Job(answer.id, request.prompts, request.params)
+        for i, token in enumerate(ids):
+            job.replies.put(("tokens", 0, [token], None,
+                             "length" if i == len(ids) - 1 else None, None))
+        return q8.Delivery(job, answer, choices, [], sock, True, 0.0, timeout)
+
+    sock = StallingSocket([5, 0, 0, 3, 0, 7] * 20)
+    d = delivery(sock)
+    now = 0.0
+    while not d.finished or d.pending:  # a step's replies a call; then the rest, call by call
+        d.take(lambda index: pytest.fail("no stop string here"))
+        d.write(now)
+        now += 0.1
+    events = [json.loads(e[6:]) for e in unchunk(sock.data).decode().split("\n\n")[:-2]]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == tokenizer.decode(ids)
+    assert events[-1]["usage"]["completion_tokens"] == len(ids)
+    assert unchunk(sock.data).endswith(b"data: [DONE]\n\n")
+
+    d = delivery(StallingSocket([0] * 100), timeout=1.0)  # reads nothing
+    d.take(lambda index: None)
+    d.write(10.0)
+    d.write(10.9)  # less than timeout since the bytes were queued: it waits
+    with pytest.raises(q8.ClientGone):
+        d.write(11.1)
+    monkeypatch.setattr(q8, "MAX_PENDING_BYTES", 100)
+    d = delivery(StallingSocket([0] * 100))
+    d.take(lambda index: None)
+    with pytest.raises(q8.ClientGone):  # the whole stream is over 100 bytes
+        d.write(0.0)
+
+
 def test_speculative_decoding_across_concurrent_requests(q8, checkpoint, reference):
     """n-gram speculation on, 8 concurrent greedy streams of repetitive prompts: the outputs of
     plain decoding, and drafts were proposed and accepted along the way."""
@@ -1231,6 +1324,8 @@ BAD_FLAGS = [
     (["--api-key", ""], "--api-key is empty"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--data-dir", "FILE"], "is a file, not a directory"),
+    (["--stream-interval", "-0.1"], "--stream-interval: must be a number of seconds >= 0"),
+    (["--stream-interval", "nan"], "--stream-interval: must be a number of seconds >= 0"),
 ]
 
 
