@@ -12,17 +12,18 @@ What this stage teaches
         `/v1/completions`, `/v1/chat/completions`, streaming as server-sent events) and
         `/health`, `/tokenize`, `/detokenize`, `/metrics` and a chat page at `/`, on the
         standard library's HTTP server. The HTTP threads check requests into `SamplingParams`;
-        one engine thread alone adds, aborts and steps, and hands each request's new tokens to
-        its stream. Errors use the OpenAI envelope with 4xx codes; a client that disconnects
-        has its request aborted and its blocks freed.
+        one engine thread alone adds, aborts and steps, and turns each request's new tokens
+        into text and its stream's chunks between steps. Errors use the OpenAI envelope with
+        4xx codes; a client that disconnects has its request aborted and its blocks freed.
     37. Batched speculation: `--speculative ngram|draft` runs stage 07's speculative decoding
         across concurrent requests, with greedy outputs identical to plain decoding.
 
 New since stage 07: all of the above: `Detokenizer`; `serve` and the `Server` it returns, with
-the request checks (`generation_request`), the `EngineThread`, the HTTP `Handler`, the
-`Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the serving bench. Changed: the
-command line, which serves a model. Kept unchanged: the model, tokenizer, engine, kernels and
-their torch twins (the tests' reference paths), the demo model and tokenizer, the downloads.
+the request checks (`generation_request`), the `EngineThread` and its `Delivery` of each
+request, the HTTP `Handler`, the `Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the
+serving bench. Changed: the command line, which serves a model. Kept unchanged: the model,
+tokenizer, engine, kernels and their torch twins (the tests' reference paths), the demo model
+and tokenizer, the downloads.
 Dropped (each lives on in stage 07): every --bench of stage 07 (structured output, decode
 attention, paged decode, decode tokens/s against transformers, offline throughput, speculative
 decoding) and their helpers; main's demonstrations (generations, structured output, continuous
@@ -5349,14 +5350,16 @@ def chat_logprobs_asked(body):
 # each step's new tokens of each choice. The engine thread blocks while it has nothing to do,
 # and steps while it has; after a step it forwards to each request the tokens past the count it
 # forwarded before (a step makes one token a sequence, or several under speculation), never
-# the whole output again. A client's thread that sees its client gone (a failed write, or a
-# closed socket while it waits) sends an abort, which the engine thread applies before its next
-# step: the request's blocks are free at once.
+# the whole output again.
 #
-# Every thread shares one interpreter lock (the GIL). At 64 streams the HTTP threads' work for
-# each token (waking, detokenizing, a JSON chunk, a write) holds it long enough that the server
-# streams 40% of the tokens/s the engine makes alone (H200, bench_serve); vLLM runs its engine in
-# a process of its own for this reason.
+# Once a request is accepted, the engine thread also turns its tokens into text and writes a
+# stream's chunks (a Delivery), while the GPU runs the step it has just launched; the HTTP
+# thread sleeps until the answer is done. Every thread shares one interpreter lock (the GIL):
+# with 64 HTTP threads each waking for its own stream's tokens, the engine thread waited for
+# the lock between its steps, and the server streamed 40% of the tokens/s the engine makes
+# alone (H200, bench_serve; vLLM runs its engine in a process of its own for this reason). A
+# client gone (a failed write, or a closed socket, which the engine thread looks for every
+# POLL_SECONDS) has its request aborted before the next step: its blocks are free at once.
 
 class Job:
     """One HTTP request's choices, each an engine request, and the queue of what comes back:
@@ -5705,11 +5708,12 @@ class Metrics:
 # transfer encoding, so that the connection stays open for the next request.
 #
 # A generation's HTTP thread: the body is checked (generation_request), the Job goes to the
-# engine thread, and once it is accepted the tokens that come back become text, each choice
-# through its own Detokenizer (ChoiceText), written as one response at the end or as a stream's
-# chunks as they come (Answer writes OpenAI's objects). A choice that meets a stop string is
-# aborted in the engine. Whatever ends the thread's work early (a client gone, a failed write,
-# an error) aborts the choices still running.
+# engine thread, and once it is accepted a stream's headers go out and the engine thread takes
+# over (Delivery): each choice's tokens become text through its own Detokenizer (ChoiceText), a
+# stream's chunks go out as they come (Answer writes OpenAI's objects), and a choice that meets a
+# stop string is aborted in the engine. The HTTP thread then writes a non-streamed response, or
+# an error. Whatever ends a request early (a client gone, a failed write, an error) aborts the
+# choices still running.
 
 LOG = logging.getLogger("08_serve")
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
@@ -5917,7 +5921,7 @@ loadModel();
 
 
 class ChoiceText:
-    """One choice as its HTTP thread sees it: its tokens become text (a Detokenizer, with the
+    """One choice of a request: its tokens become text (a Detokenizer, with the
     request's stop strings) and logprob entries; it counts them (usage) and knows how it
     ended."""
 
