@@ -25,8 +25,10 @@ import sys
 import threading
 import time
 
+import numpy
 import openai
 import pytest
+import torch
 from conftest import ROOT, load_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -1304,6 +1306,56 @@ def test_main_serves_a_model_until_sigterm(checkpoint):
         proc.kill()
         proc.stdout.close()
         proc.stderr.close()
+
+
+# ----------------------------------------------------------------------- the bench's parts
+
+def test_percentile_is_numpys_linear_interpolation(q8):
+    rng = random.Random(2)
+    for _ in range(300):
+        xs = [rng.uniform(-5, 5) for _ in range(rng.randint(1, 40))]
+        q = rng.choice([0, 50, 90, 99, 100, rng.uniform(0, 100)])
+        assert q8.percentile(xs, q) == pytest.approx(float(numpy.percentile(xs, q)), abs=1e-12)
+    for values, q in (([], 50), ([1.0], 101), ([1.0], -1)):
+        with pytest.raises(ValueError, match="percentile"):
+            q8.percentile(values, q)
+
+
+def test_sse_data_reads_events_cut_anywhere(q8):
+    """Events as a server writes them (a comment, CRLF line ends, an event of two data lines, a
+    multi-byte character), the bytes cut at random places, even inside a character: the same
+    data back, and the unfinished event at the end dropped."""
+    events = [json.dumps({"text": "a€b 😀"}, ensure_ascii=False), '{"n": 1}', "[DONE]"]
+    stream = (b": keep-alive\n\n" + b"".join(b"data: " + e.encode() + b"\r\n\r\n"
+                                               for e in events[:2])
+              + b"data:two\ndata: lines\n\n" + b"data: [DONE]\n\n" + b"data: unfinished")
+    expected = events[:2] + ["two\nlines", "[DONE]"]
+    rng = random.Random(3)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(0, 12)))
+        chunks = [stream[i:j] for i, j in zip([0, *cuts], [*cuts, len(stream)])]
+        assert list(q8.sse_data(chunks)) == expected, cuts
+
+
+def test_serve_requests_times_every_stream(q8):
+    """The bench's client side against a CPU server (a tiny random model, the bench's
+    tokenizer, so that every token writes text): a TTFT and a TPOT for every request, each
+    request's output length checked, and with spread = 0.6 s the third of three clients starts
+    0.4 s in. The latencies must agree with the wall time they add up to."""
+    cfg = q8.Qwen3Config.tiny()
+    llm = q8.LLM(q8.random_model(cfg, torch.device("cpu"), torch.float32), max_model_len=64,
+                 tokenizer=q8.bench_tokenizer(cfg.vocab_size))
+    server = q8.serve(llm)
+    try:
+        prompts = q8.random_prompts(cfg.vocab_size, [8] * 6, seed=0)
+        seconds, timings = q8.serve_requests(server, prompts, 3, 6, 0.6, spread=0.6)
+        assert len(timings) == 6 and all(ttft > 0 and tpot > 0 for ttft, tpot in timings)
+        assert seconds >= 0.4
+        # each client's two requests run one after the other, within the wall time
+        assert all(timings[i][0] + 5 * timings[i][1] + timings[i + 3][0] + 5 * timings[i + 3][1]
+                   <= seconds for i in range(3))
+    finally:
+        server.shutdown()
 
 
 BAD_FLAGS = [
