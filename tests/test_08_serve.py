@@ -600,6 +600,8 @@ ERRORS = [  # (path, body, status, param, what the message says)
     ("/v1/completions", {"prompt": "x", "max_tokens": "9"}, 400, "max_tokens", "an integer"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "'prompt' must be"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "'prompt' must be"),
+    ("/v1/completions", {"prompt": [1, True]}, 400, "prompt", "'prompt' must be"),
+    ("/v1/completions", {"prompt": [[1, 2.0]]}, 400, "prompt", "'prompt' must be"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
     ("/v1/completions", {"prompt": [1, 9000]}, 400, None, "outside the model's vocabulary"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
