@@ -5937,8 +5937,9 @@ class ChoiceText:
         self.offset = 0  # completions' text_offset: characters of the tokens' texts so far
 
     def add(self, tokens, logprobs, finish_reason, stop_token_id):
-        """A step's new tokens; returns their text and logprob entries. The eos or stop id that
-        ended the request counts as a token, and writes neither text nor a logprob."""
+        """New tokens (a step's, or several steps'); returns their text and logprob entries. The
+        eos or stop id that ended the request counts as a token, and writes neither text nor a
+        logprob."""
         pieces, entries = [], []
         if not self.detokenizer.stop:  # every token counts, and their text comes at once
             self.num_tokens += len(tokens)
@@ -6445,7 +6446,9 @@ class Handler(BaseHTTPRequestHandler):
                 # the engine thread too)
                 while not delivery.done.wait(1.0):
                     if not engine.thread.is_alive():  # (one that died serves no more)
-                        raise APIError("the engine has stopped (the server logged why)", 503)
+                        delivery.error = APIError("the engine has stopped (the server logged "
+                                                  "why)", 503)
+                        break
             finally:
                 self.connection.settimeout(self.timeout)
             if delivery.gone:
