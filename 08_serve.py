@@ -5725,6 +5725,7 @@ POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its cl
 # 20 ms.)
 STREAM_INTERVAL = 0.02
 MAX_PENDING_BYTES = 4 << 20  # of a stream, not read by its client yet (the client is dropped)
+MAX_CONNECTIONS = 1024  # open at once, a thread each (serve's max_connections; a 503 beyond)
 MAX_REQUEST_LINE = 8192  # bytes of "POST /v1/completions HTTP/1.1" (414 beyond)
 MAX_HEADER_BYTES = 64 << 10  # of all the header lines together (431 beyond)
 LINGER_SECONDS, LINGER_BYTES = 2.0, 16 << 20  # what a refused client may still send (finish)
@@ -6519,7 +6520,44 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class _HTTPServer(ThreadingHTTPServer):  # (its threads are daemon threads)
+    """ThreadingHTTPServer with a thread a connection, up to max_connections of them: a client
+    beyond them gets a 503 at once and is closed, rather than a thread (each holds its stack,
+    and all share the engine thread's interpreter lock)."""
     request_queue_size = 128  # the listen backlog: a burst of clients may connect at once
+
+    def __init__(self, address, handler, max_connections):
+        super().__init__(address, handler)
+        self.max_connections, self.connections = max_connections, 0
+        self.connections_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self.connections_lock:
+            full = self.connections >= self.max_connections
+            self.connections += not full
+        if not full:
+            try:
+                super().process_request(request, client_address)
+            except BaseException:  # (no thread started: none will count it off)
+                with self.connections_lock:
+                    self.connections -= 1
+                raise
+            return
+        body = _json_bytes(APIError(f"the server has {self.max_connections} connections open, "
+                                    f"its limit: retry later", 503).body())
+        response = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s"
+                    % (len(body), body))
+        with contextlib.suppress(OSError):
+            request.setblocking(False)  # (the accept loop's thread must never wait on a client)
+            request.send(response)
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.connections_lock:
+                self.connections -= 1
 
 
 class Server:
@@ -6527,7 +6565,7 @@ class Server:
     wait_ready, wait_idle, shutdown."""
 
     def __init__(self, llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
-                 stream_interval=STREAM_INTERVAL):
+                 stream_interval=STREAM_INTERVAL, max_connections=MAX_CONNECTIONS):
         if isinstance(llm, LLM):
             if llm.tokenizer is None:
                 raise ValueError("serve needs an LLM with a tokenizer: the API is text in, "
@@ -6541,6 +6579,8 @@ class Server:
             raise ValueError(f"max_body_bytes = {max_body_bytes!r} must be a positive int")
         if not _is_number(timeout) or timeout <= 0:
             raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds")
+        if not _is_int(max_connections) or max_connections < 1:
+            raise ValueError(f"max_connections = {max_connections!r} must be a positive int")
         if not _is_number(stream_interval) or stream_interval < 0:
             raise ValueError(f"stream_interval = {stream_interval!r} must be a number of seconds "
                              f">= 0")
@@ -6552,7 +6592,7 @@ class Server:
         self.ready, self.loaded = threading.Event(), threading.Event()
         self.stopped, self.lock = False, threading.Lock()
         self.created = int(time.time())
-        self.httpd = _HTTPServer((host, port), Handler)
+        self.httpd = _HTTPServer((host, port), Handler, max_connections)
         self.httpd.app = self
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
@@ -6614,7 +6654,8 @@ class Server:
 
 
 def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None,
-          max_body_bytes=1 << 20, timeout=30.0, stream_interval=STREAM_INTERVAL):
+          max_body_bytes=1 << 20, timeout=30.0, stream_interval=STREAM_INTERVAL,
+          max_connections=MAX_CONNECTIONS):
     """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port; port 0 takes a free
     one. llm may also be a function that returns the LLM: it then loads on a thread of its own,
     and until it is ready every route answers 503. api_key: required on every route but / and
@@ -6622,10 +6663,11 @@ def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None
     (default "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds
     that any read or write on a client's socket may take (and a stream's client may take to read
     what it was sent). stream_interval: a stream writes at most every so many seconds, a chunk
-    carrying the tokens since the last (0: every step). Returns the Server as soon as its socket
-    is bound; its threads are daemon threads."""
+    carrying the tokens since the last (0: every step). max_connections: open connections at
+    most, each served by a thread (a 503 beyond). Returns the Server as soon as its socket is
+    bound; its threads are daemon threads."""
     return Server(llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
-                  stream_interval)
+                  stream_interval, max_connections)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -7028,6 +7070,9 @@ def parse_args(argv=None):
                         "but / and /health")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: "
                         "--model as given, a Hub id or a path, as vLLM's)")
+    parser.add_argument("--max-connections", type=positive_int, default=MAX_CONNECTIONS,
+                        help="open connections at most, a thread each; a client beyond them gets "
+                        "a 503 (default: %(default)s)")
     parser.add_argument("--stream-interval", type=seconds, default=STREAM_INTERVAL,
                         help="a stream writes at most every so many seconds, a chunk with the "
                         "tokens since the last; 0: every engine step (default: %(default)s)")
@@ -7141,7 +7186,7 @@ def demo(args):
         llm = load_llm(args, random_checkpoint(demo_tokenizer(tmp, args.data_dir), seed=0))
     server = serve(llm, args.host, args.port or 0, api_key=args.api_key,
                    served_model_name=args.served_model_name or "tiny-random-qwen3",
-                   stream_interval=args.stream_interval)
+                   stream_interval=args.stream_interval, max_connections=args.max_connections)
     print(f"serving a tiny random Qwen3 at {server.url}; over HTTP:")
     post = functools.partial(http_request, server.url, "POST", api_key=args.api_key)
     try:
@@ -7187,6 +7232,7 @@ def main(argv=None):
     try:
         server = serve(functools.partial(load_llm, args, args.model), args.host, port,
                        api_key=args.api_key, stream_interval=args.stream_interval,
+                       max_connections=args.max_connections,
                        served_model_name=args.served_model_name or args.model)
     except OSError as e:  # the port is taken, or the host is not this machine's
         sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")

@@ -982,6 +982,35 @@ def test_a_stream_writes_at_most_every_stream_interval(q8, spare, reference):
     assert len(events) <= 2 and [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
 
 
+def test_connections_past_the_limit_get_a_503_at_once(q8, spare):
+    """max_connections 3: three idle connections hold their threads; a fourth client is answered
+    503 in the envelope and closed without a thread; once one of the three leaves, requests are
+    served again."""
+    with pytest.raises(ValueError, match="max_connections"):
+        q8.serve(spare, max_connections=0)
+    server = q8.serve(spare, max_connections=3)
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as extra:
+            response = extra.makefile("rb").read()  # to the end: the server closes it
+        head, body = response.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"Content-Length: %d" % len(body) in head
+        error = json.loads(body)["error"]
+        assert error["type"] == "server_error" and "3 connections" in error["message"]
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # (the closed connection's thread ends a moment later)
+            status = Client(server.url).request("GET", "/health")[0]
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        for sock in held:
+            sock.close()
+        server.shutdown()
+
+
 class StallingSocket:
     """A non-blocking socket's send, as the engine thread sees it: each call takes the next of
     `takes` bytes (0: its buffer is full, BlockingIOError), then everything."""
@@ -1379,6 +1408,7 @@ BAD_FLAGS = [
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--data-dir", "FILE"], "is a file, not a directory"),
     (["--stream-interval", "-0.1"], "--stream-interval: must be a number of seconds >= 0"),
+    (["--max-connections", "0"], "--max-connections: must be a positive integer"),
     (["--stream-interval", "nan"], "--stream-interval: must be a number of seconds >= 0"),
 ]
 
