@@ -5,13 +5,15 @@ stop string (Python's own UTF-8 decoder, tiktoken's bytes); for what the server 
 engine's own LLM.generate on a second copy of the same model (greedy tokens, and seeded samples,
 which stage 07 makes the same in any batch); for the API's shapes, OpenAI's documented objects
 as the official `openai` client parses them, and the raw bytes as the standard library's
-http.client reads them; for structured output, Python's json and re.
+http.client reads them; for structured output, Python's json and re; for the chat page, its
+script run in node (where node is installed) against the server, showing the engine's replies.
 
 One server (the tiny random Qwen3 of main, with main's demo tokenizer, behind an API key) serves
 the module on a free loopback port; the tests that need a server of their own (loading, shutdown,
 speculation) start one on the spare LLM, one after another, and stop it.
 """
 import contextlib
+import html.parser
 import http.client
 import json
 import os
@@ -1337,6 +1339,137 @@ def test_main_serves_a_model_until_sigterm(checkpoint):
         proc.kill()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def node_major(node):
+    """The major version of the node at this path; 0 without one."""
+    if node is None:
+        return 0
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=60)
+    match = re.match(r"v(\d+)", version.stdout)
+    return int(match.group(1)) if match else 0
+
+
+NODE = shutil.which("node")
+NODE_MAJOR = node_major(NODE)
+
+# The chat page's script in node, on a DOM of just what the script uses (elements by id, with
+# the value and textContent it reads and writes), driving a conversation through it against a
+# live server: the script's own fetch, stream reading and DOM updates, not a browser's layout.
+PAGE_HARNESS = r"""
+const vm = require("vm"), fs = require("fs");
+const [scriptFile, base, idsJson, key] = process.argv.slice(2);
+class El {
+  constructor(value) {
+    Object.assign(this, {value, textContent: "", className: "", disabled: false, children: [],
+                         listeners: {}, parent: null});
+  }
+  addEventListener(type, f) { (this.listeners[type] ||= []).push(f); }
+  fire(type, props = {}) {
+    for (const f of this.listeners[type] || []) f({...props, preventDefault() {}});
+  }
+  append(...nodes) { for (const n of nodes) { n.parent = this; this.children.push(n); } }
+  remove() { this.parent.children = this.parent.children.filter((c) => c !== this); }
+  replaceChildren() { this.children = []; }
+  scrollIntoView() {}
+}
+const els = Object.fromEntries(Object.entries(JSON.parse(idsJson))
+                                 .map(([id, value]) => [id, new El(value)]));
+globalThis.document = {
+  getElementById(id) { if (!els[id]) throw new Error("no element #" + id); return els[id]; },
+  createElement() { return new El(""); },
+};
+const store = new Map([["api-key", key]]);
+globalThis.localStorage = {getItem: (k) => store.get(k) ?? null,
+                           setItem: (k, v) => store.set(k, v)};
+const realFetch = fetch;
+globalThis.fetch = (url, options) => realFetch(new URL(url, base), options);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+async function until(ok, what) {
+  for (let t = 0; !ok(); t += 10) {
+    if (t > 30000) throw new Error("timed out waiting for " + what);
+    await sleep(10);
+  }
+}
+const seen = {};
+async function say(text, name) {
+  els.message.value = text;
+  els.message.fire("keydown", {key: "Enter"});
+  seen[name + "_busy"] = els.send.disabled;
+  await until(() => !els.send.disabled, name);
+  seen[name] = {log: els.log.children.map((c) => [c.className, c.textContent]),
+                error: els.error.textContent, box: els.message.value};
+}
+(async () => {
+  vm.runInThisContext(fs.readFileSync(scriptFile, "utf8"));
+  await until(() => els.model.textContent, "the model's name");
+  seen.model = els.model.textContent;
+  els.temperature.value = "0";
+  els["max-tokens"].value = "12";
+  await say("Hello", "first");
+  await say("And then?", "second");
+  els["max-tokens"].value = "0";
+  await say("Once more", "refused");
+  console.log(JSON.stringify(seen));
+})().catch((e) => { console.error(e); process.exit(1); });
+"""
+
+
+class PageParts(html.parser.HTMLParser):
+    """The chat page's elements with an id ({id: value attribute}) and its script."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.script, self.in_script = {}, "", False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids[attrs["id"]] = attrs.get("value") or ""
+        self.in_script = tag == "script"
+
+    def handle_endtag(self, tag):
+        self.in_script = False
+
+    def handle_data(self, data):
+        if self.in_script:
+            self.script += data
+
+
+@pytest.mark.skipif(NODE_MAJOR < 18, reason="no node 18 or later (with fetch) on this machine to "
+                    "run the chat page's script")
+def test_the_chat_pages_script_holds_a_conversation(q8, server, reference, tmp_path):
+    """The page, as the server sends it, run in node against the server: it finds the model's
+    name (with the API key the browser stored), sends two turns at temperature 0 and shows the
+    streamed replies, which are the engine's greedy outputs for the conversation so far; a
+    refused request shows the server's message and puts the text back in the box."""
+    status, _, html_bytes = Client(server.url).request("GET", "/", key=None)
+    assert status == 200
+    page = PageParts()
+    page.feed(html_bytes.decode())
+    (tmp_path / "page.js").write_text(page.script)
+    (tmp_path / "harness.js").write_text(PAGE_HARNESS)
+    proc = subprocess.run([NODE, str(tmp_path / "harness.js"), str(tmp_path / "page.js"),
+                           server.url, json.dumps(page.ids), KEY],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    messages = [{"role": "user", "content": "Hello"}]
+    first = generate(q8, reference, [reference.tokenizer.apply_chat_template(messages)],
+                     max_tokens=12, temperature=0)[0].text
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    second = generate(q8, reference, [reference.tokenizer.apply_chat_template(messages)],
+                      max_tokens=12, temperature=0)[0].text
+    assert first and second  # (replies that show text: an empty one is taken back)
+    assert seen["model"] == MODEL and seen["first_busy"] is True
+    assert seen["first"] == {"log": [["user", "Hello"], ["assistant", first]], "error": "",
+                             "box": ""}
+    assert seen["second"]["log"] == seen["first"]["log"] + [["user", "And then?"],
+                                                            ["assistant", second]]
+    assert seen["refused"]["log"] == seen["second"]["log"]
+    assert seen["refused"]["error"].startswith("HTTP 400: ") and "max_tokens" in \
+        seen["refused"]["error"]
+    assert seen["refused"]["box"] == "Once more"
 
 
 # ----------------------------------------------------------------------- the bench's parts
