@@ -5721,8 +5721,8 @@ LOG = logging.getLogger("08_serve")
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
 # A stream writes at most every STREAM_INTERVAL seconds (serve's stream_interval), a chunk
 # carrying every token since the last: each write is Python on the engine thread (see Delivery).
-# (H200, 64 streams of 0.6B: 0.69x of the engine's tokens/s writing every step, 0.83-0.86x at
-# 20 ms.)
+# (H200, 64 streams of 0.6B: 0.69x of the engine's tokens/s writing every step; 0.72-0.86x in
+# three runs at 20 ms.)
 STREAM_INTERVAL = 0.02
 MAX_PENDING_BYTES = 4 << 20  # of a stream, not read by its client yet (the client is dropped)
 MAX_CONNECTIONS = 1024  # open at once, a thread each (serve's max_connections; a 503 beyond)
@@ -6931,12 +6931,12 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
         for c in concurrency:
             seconds, timings = serve_requests(server, prompts[c], c, output_len, temperature,
                                               clients=clients)
-            rate, (offline_rate_, offline_ttft) = len(timings) * output_len / seconds, offline[c]
+            rate, (engine_rate, engine_ttft) = len(timings) * output_len / seconds, offline[c]
             results[c] = r = dict(requests=len(timings), seconds=seconds, output_tok_s=rate,
-                                  offline_tok_s=offline_rate_, offline_ttft_ms=1e3 * offline_ttft,
+                                  offline_tok_s=engine_rate, offline_ttft_ms=1e3 * engine_ttft,
                                   **latencies(timings))
-            print(f"  {c:>11} {r['requests']:>8} {rate:>12,.0f} {offline_rate_:>8,.0f} "
-                  f"{rate / offline_rate_:>6.0%} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} "
+            print(f"  {c:>11} {r['requests']:>8} {rate:>12,.0f} {engine_rate:>8,.0f} "
+                  f"{rate / engine_rate:>6.0%} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} "
                   f"{r['offline_ttft_ms']:>7.1f} {r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f}",
                   flush=True)
         # The same concurrency with arrivals spread over one request's duration (send_requests):
@@ -7049,7 +7049,7 @@ def port_number(text):
     return value
 
 
-def seconds(text):
+def non_negative_seconds(text):
     """argparse type: a number of seconds >= 0."""
     value = float(text)
     if not (math.isfinite(value) and value >= 0):
@@ -7073,7 +7073,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-connections", type=positive_int, default=MAX_CONNECTIONS,
                         help="open connections at most, a thread each; a client beyond them gets "
                         "a 503 (default: %(default)s)")
-    parser.add_argument("--stream-interval", type=seconds, default=STREAM_INTERVAL,
+    parser.add_argument("--stream-interval", type=non_negative_seconds, default=STREAM_INTERVAL,
                         help="a stream writes at most every so many seconds, a chunk with the "
                         "tokens since the last; 0: every engine step (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",

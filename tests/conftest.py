@@ -47,6 +47,19 @@ def load_stage(name):
     return sys.modules[mod_name]
 
 
+def check_bad_flag(stage, argv, message, forbidden, monkeypatch, capsys, tmp_path):
+    """stage.main(argv) exits with status 2 and `message` (a regex) in stderr before any of the
+    stage's `forbidden` functions runs. "FILE" in argv stands for the path of a file."""
+    (tmp_path / "file").write_text("x")
+    argv = [str(tmp_path / "file") if arg == "FILE" else arg for arg in argv]
+    for name in forbidden:
+        monkeypatch.setattr(stage, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
+    with pytest.raises(SystemExit) as exit_:
+        stage.main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
 def check_main(name, min_errors, tol, *args, prompt="Every effort moves you", timeout=600):
     """Run `python <name>.py --device cpu *args` as a reader would, Triton kernels through the
     interpreter, and check what it printed: exit status 0; at least `min_errors` relative errors

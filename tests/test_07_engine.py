@@ -44,7 +44,7 @@ import pytest
 import requests
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, ROOT, load_stage
+from conftest import HAS_CUDA, ROOT, check_bad_flag, load_stage
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
                         pre_tokenizers, processors, trainers)
 
@@ -2516,14 +2516,8 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("argv, message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
 def test_a_bad_flag_stops_main_before_any_work(q7, monkeypatch, capsys, tmp_path, argv, message):
-    (tmp_path / "file").write_text("x")
-    argv = [str(tmp_path / "file") if arg == "FILE" else arg for arg in argv]
-    for name in ("LLM", "random_checkpoint", "download_model", "bench_structured", "fetch"):
-        monkeypatch.setattr(q7, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
-    with pytest.raises(SystemExit) as exit_:
-        q7.main(argv)
-    assert exit_.value.code == 2
-    assert re.search(message, capsys.readouterr().err)
+    never = ("LLM", "random_checkpoint", "download_model", "bench_structured", "fetch")
+    check_bad_flag(q7, argv, message, never, monkeypatch, capsys, tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

@@ -31,7 +31,7 @@ import numpy
 import openai
 import pytest
 import torch
-from conftest import ROOT, load_stage
+from conftest import ROOT, check_bad_flag, load_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 KEY = "sk-test-08"
@@ -1548,14 +1548,8 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("argv, message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
 def test_a_bad_flag_stops_main_before_any_work(q8, monkeypatch, capsys, tmp_path, argv, message):
-    (tmp_path / "file").write_text("x")
-    argv = [str(tmp_path / "file") if arg == "FILE" else arg for arg in argv]
-    for name in ("LLM", "serve", "load_llm", "random_checkpoint", "bench_serve", "fetch"):
-        monkeypatch.setattr(q8, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
-    with pytest.raises(SystemExit) as exit_:
-        q8.main(argv)
-    assert exit_.value.code == 2
-    assert re.search(message, capsys.readouterr().err)
+    never = ("LLM", "serve", "load_llm", "random_checkpoint", "bench_serve", "fetch")
+    check_bad_flag(q8, argv, message, never, monkeypatch, capsys, tmp_path)
 
 
 BROWSER = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome",
