@@ -21,9 +21,12 @@ What this stage teaches
 New since stage 07: all of the above: `Detokenizer`; `serve` and the `Server` it returns, with
 the request checks (`generation_request`), the `EngineThread` and its `Delivery` of each
 request, the HTTP `Handler`, the `Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the
-serving bench. Changed: the command line, which serves a model. Kept unchanged: the model,
-tokenizer, engine, kernels and their torch twins (the tests' reference paths), the demo model
-and tokenizer, the downloads.
+serving bench. Changed: the command line, which serves a model; the engine's steps that are
+not decodes (prompts, and the decodes beside them: a server's steps, as requests arrive while
+others decode) replay CUDA graphs too (`StepGraphs`, `LLM.capture_graphs`), for which the paged
+prefill kernel's grid comes from the packed tokens rather than the longest prompt. Kept
+unchanged: the model, tokenizer, the rest of the engine, the other kernels and their torch twins
+(the tests' reference paths), the demo model and tokenizer, the downloads.
 Dropped (each lives on in stage 07): every --bench of stage 07 (structured output, decode
 attention, paged decode, decode tokens/s against transformers, offline throughput, speculative
 decoding) and their helpers; main's demonstrations (generations, structured output, continuous
@@ -1732,9 +1735,10 @@ def _check_splits(fn, max_len, most, most_name, num_splits):
 #   BLOCK_M // BLOCK_H tokens times the G query heads of one kv head (BLOCK_H = G rounded up to a
 #   power of two), so each K/V tile is loaded once for the G heads. Its keys fall in two loops:
 #   keys every row of the tile sees, unmasked, then the diagonal, masked.
-# Ragged lengths stay on the device in both (no host sync): the grids are sized from host
-# bounds, max_len and max_q_len, and a program past its row's end exits or writes an empty
-# partial. paged_attention_torch is the plain version, for the CPU engine and the tests.
+# Ragged lengths stay on the device in both (no host sync): the grids are sized from what the
+# host knows (max_len; the packed tokens and the number of sequences), and a program past its
+# row's end exits or writes an empty partial. paged_attention_torch is the plain version, for
+# the CPU engine and the tests.
 
 # Tiles of the prefill kernel: BLOCK_M query rows (tokens x heads of a group), BLOCK_N keys a
 # step, 2 stages (the loads are gathers, not TMA copies). Each candidate was compiled for sm_90a
@@ -1767,30 +1771,44 @@ def _prune_paged_prefill_configs(configs, named_args, **kwargs):
 
 @triton.autotune(configs=_PAGED_PREFILL_CONFIGS, key=["Q_BUCKET", "D", "BLOCK_H", "PAGE"],
                  prune_configs_by={"early_config_prune": _prune_paged_prefill_configs})
-@triton.jit(do_not_specialize=["N", "max_keys"])
-def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_scale, N,
+@triton.jit(do_not_specialize=["N", "B", "max_keys"])
+def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_scale, N, B,
                           max_keys, stride_qn, stride_qh, stride_kb, stride_kh, stride_kt,
                           stride_vb, stride_vh, stride_vt, stride_on, stride_oh, stride_tb,
                           Q_BUCKET, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                           PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (tile of new tokens, sequence b, kv head): BLOCK_M // BLOCK_H tokens of
-    sequence b, each with the GROUP query heads of the kv head (row r of the tile: token
-    r // BLOCK_H, head r % BLOCK_H; heads past GROUP are padding).
+    """One program per (tile of new tokens of some sequence b, kv head): BLOCK_M // BLOCK_H
+    tokens of b, each with the GROUP query heads of the kv head (row r of the tile: token
+    r // BLOCK_H, head r % BLOCK_H; heads past GROUP are padding). The grid's first axis is
+    cdiv(N, BLOCK_Q) + B tiles, found from the packed tokens, not from the longest sequence:
+    sequence b owns tiles CU_SEQLENS_Q[b] // BLOCK_Q + b on (enough for its tokens, with room
+    for the one its start cuts), so a program finds its sequence by a binary search over those
+    starts, and the grid depends on N and B only, as a CUDA graph needs.
     Q, OUT (N, Hq, D): the sequences' new tokens, sequence b's at rows CU_SEQLENS_Q[b] ..
-    CU_SEQLENS_Q[b + 1] - 1 (clamped to N). K, V: pools viewed as (num_blocks, Hkv, PAGE, D),
+    CU_SEQLENS_Q[b + 1] - 1 (clamped to N; rows past the last are padding, left unwritten).
+    K, V: pools viewed as (num_blocks, Hkv, PAGE, D),
     found through BLOCK_TABLES (B, max_blocks) int32, row stride stride_tb. LENGTHS (B,): keys
     of each sequence, its new ones included (clamped to max_keys = max_blocks * PAGE, so a wrong
     one never reads past the table): new token t of q_len sits at position
     LENGTHS[b] - q_len + t and sees keys 0 through that position. Any strides, unit last
     stride. qk_scale = sm_scale * log2(e). Q_BUCKET: an autotune key only."""
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_H  # tokens a tile
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # later tokens see more keys: start first
-    b = tl.program_id(1).to(tl.int64)
-    kvh = tl.program_id(2).to(tl.int64)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later tokens see more keys: start first
+    kvh = tl.program_id(1).to(tl.int64)
+    # b: the last sequence whose first tile is at most pid, first(lo) <= pid < first(hi)
+    lo, hi = tl.full([], 0, tl.int32), B
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(CU_SEQLENS_Q + mid) // BLOCK_Q + mid <= pid:
+            lo = mid
+        else:
+            hi = mid
+    b = lo.to(tl.int64)
     q_start = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
+    tile = pid - (q_start // BLOCK_Q + b)
     q_len = tl.minimum(tl.load(CU_SEQLENS_Q + b + 1).to(tl.int64), N) - q_start
-    if tile * BLOCK_Q >= q_len:  # the grid is sized for the longest sequence
+    if tile * BLOCK_Q >= q_len:  # a tile past b's tokens (each sequence has room for one)
         return
     length = tl.minimum(tl.load(LENGTHS + b), max_keys)
     first = length - q_len + tile * BLOCK_Q  # the tile's first token's position
@@ -1853,8 +1871,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, len
     keys of each sequence with its new ones, so new token t sits at position lengths[b] - q_len_b
     + t and attends to keys 0 through it (bottom-right aligned; q_len_b = 1 is a decode).
     k_cache, v_cache, block_tables as paged_decode_attention's; max_q_len: a host bound on the
-    q_len_b (the grid). sm_scale defaults to 1/sqrt(D). -> (N, Hq, D) in q's dtype; rows no
-    sequence claims are left unwritten."""
+    q_len_b (which picks the tuned tiles). sm_scale defaults to 1/sqrt(D). -> (N, Hq, D) in q's
+    dtype; rows no sequence claims are left unwritten."""
     fn = "paged_prefill_attention"
     _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale)
     B, N = block_tables.shape[0], q.shape[0]
@@ -1869,9 +1887,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, len
     block_h = triton.next_power_of_2(Hq // Hkv)
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _paged_prefill_kernel[lambda meta: (triton.cdiv(max_q_len, meta["BLOCK_M"] // block_h), B,
-                                        Hkv)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, lengths, out, scale * LOG2E, N,
+    _paged_prefill_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"] // block_h) + B, Hkv)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, lengths, out, scale * LOG2E, N, B,
         block_tables.shape[1] * page, *q.stride()[:2], k_cache.stride(0), k_cache.stride(2),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(2), v_cache.stride(1),
         *out.stride()[:2], block_tables.stride(0), _seq_bucket(max_q_len), GROUP=Hq // Hkv, D=D,
@@ -2141,7 +2158,7 @@ class KVCache:
 #   adds a merge kernel a layer). It equals the model's path up to rounding: each kernel
 #   computes in fp32 and rounds once, where torch rounds after every op.
 # - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
-#   (DecodeGraphs), whose replay launches all of it with one call. A graph replays fixed
+#   (StepGraphs), whose replay launches all of it with one call. A graph replays fixed
 #   addresses and shapes: the ids, positions, slots and block tables are copied into its input
 #   buffers, the paged cache is the same tensors throughout, a batch is padded up to its bucket,
 #   and attention is bounded by the longest sequence allowed, each row's own length staying on
@@ -2153,6 +2170,13 @@ class KVCache:
 # during which the GPU would wait. With async_scheduling (LLMEngine.step) step n + 1 is
 # launched, fed with step n's tokens on the device, before those tokens are read back, so the
 # host's work overlaps the GPU's (Qwen3-0.6B at batch 1: a step of 784 us, 1,124 without).
+# NEW in stage 08: a server's steps. Requests arrive while others decode, so many steps carry a
+# prompt beside the decodes, and run eagerly they are host-bound: on the H200, Qwen3-0.6B's step
+# of 63 decodes and a 512-token prompt took 22.8 ms of Python launches for a few ms of GPU work,
+# and every stream waited for it. So StepGraphs captures those steps too, one graph per tokens
+# bucket over max_num_seqs sequences, stopping before the output layer (which runs on the rows
+# that sample): 1.1 ms of host time and 6.2 ms in all for that step, and 19 graphs cover 8,192
+# tokens, captured before a server is ready (LLM.capture_graphs).
 
 # Programmatic dependent launch (PDL, Hopper on). Even inside a graph, a kernel starts only after
 # the previous one has ended: its programs are scheduled, its first loads go out and come back,
@@ -2514,13 +2538,15 @@ def torch_attention(q, k_cache, v_cache, meta):
                                  meta.lengths)
 
 
-def forward_packed(model, ids, positions, kv, meta, attention):
+def forward_packed(model, ids, positions, kv, meta, attention, head=True):
     """Logits (S, V) of the rows meta.sample_rows of a step's packed tokens: ids, positions (N,)
     on the device, the tokens of several sequences side by side (whole prompts, chunks of them,
     or one token a sequence when decoding), each attending to its own sequence's cache. kv:
     (k, v) of the paged cache, (L, blocks, block_size, Hkv, D) each; every token's key and value
     are written at its slot first. On the fused kernels when model.kernels (then
-    fuse_projections(model) first), else on the torch twins; attention: a backend above."""
+    fuse_projections(model) first), else on the torch twins; attention: a backend above.
+    head=False stops before the output layer: -> (x, h), the residual stream and what the last
+    sub-block adds, (N, C) each."""
     N, kernels = ids.shape[0], model.kernels
     x = model.model.embed_tokens(ids)  # (N, C): the residual stream
     h = None  # what the last sub-block adds to x
@@ -2538,6 +2564,8 @@ def forward_packed(model, ids, positions, kv, meta, attention):
         h = linear(out.view(N, -1), attn.o_proj.weight, kernels)  # (N, C)
         gate_up, x = norm_linear(x, h, block.post_attention_layernorm, mlp.gate_up_weight)
         h = linear(gate_up, mlp.down_proj.weight, kernels, swiglu=True)
+    if not head:
+        return x, h
     if meta.sample_rows.shape[0] != N:  # only the rows that sample need the output layer
         if meta.sample_rows.shape[0] == 0:  # a step of prompt chunks that all go on
             return x.new_empty(0, model.cfg.vocab_size)
@@ -2551,48 +2579,70 @@ def graph_bucket(batch):
     return triton.next_power_of_2(batch) if batch <= 8 else triton.cdiv(batch, 8) * 8
 
 
-class DecodeGraphs:
-    """forward_packed of a decode step (one token a sequence) captured in a CUDA graph per
-    batch-size bucket, over one paged cache. Each graph reads its own input buffers (ids,
-    positions, slots, lengths, block tables) and writes its own logits; the caller fills a
-    bucket's rows past the batch with padding (length 0, the scratch slot), so that they read
-    nothing and write where no sequence reads. Attention is bounded by max_len, the longest
-    sequence the engine allows: a graph's launches never depend on the batch's lengths. The
-    graphs share one memory pool: they never run at the same time."""
+def token_bucket(tokens):
+    """The packed tokens a graph of other steps is captured for: 16, 24, 32, 48, 64, 96, ... (two
+    a doubling), so that 19 graphs cover 8,192 tokens and padding wastes under a third."""
+    size = triton.next_power_of_2(max(tokens, 16))
+    return size * 3 // 4 if 16 < tokens <= size * 3 // 4 else size
 
-    def __init__(self, model, kv, max_len, attention):
+
+class StepGraphs:
+    """forward_packed of a step captured in a CUDA graph per shape, over one paged cache. A
+    decode step (one token a sequence) has a graph per batch-size bucket, where the caller pads
+    the batch with rows of their own (length 0, the scratch slot) that read nothing and write
+    where no sequence reads. Any other step (prompts, chunks of them, and the decodes beside
+    them: a server's steps, as requests arrive while others decode) has one per tokens bucket,
+    over `rows` sequences: the caller pads the tokens with rows no sequence claims (the scratch
+    slot) and the sequences with ones of no tokens. Its graph stops before the output layer,
+    which the caller runs on the rows that sample: so neither their number nor the batch's is
+    part of its shape, and a few graphs serve every step. Attention is bounded by max_len, the
+    longest sequence the engine allows, and the prefill kernel's grid by the graph's tokens and
+    rows: a graph's launches never depend on the step's lengths. A shape's first step waits for
+    its capture (Qwen3-0.6B: about 50 ms). The graphs share one memory pool: they never run at
+    the same time."""
+
+    def __init__(self, model, kv, max_len, attention, rows):
         self.model, self.kv, self.max_len, self.attention = model, kv, max_len, attention
-        self.graphs = {}  # bucket -> (graph, inputs, logits)
+        self.rows = rows  # the sequences of a graph of other steps
+        self.graphs = {}  # (tokens, decode) -> (graph, inputs, outputs)
         self.pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()  # the graphs' buffers are inference tensors (ModelRunner's mode)
     def __call__(self, ids, positions, meta):
-        """Logits (bucket, V) of the step; every input has the bucket's rows."""
-        bucket = ids.shape[0]
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(ids, positions, meta)
-        graph, inputs, logits = self.graphs[bucket]
+        """A decode step: its logits (bucket, V); another step: (x, h), forward_packed's residual
+        stream and what its last sub-block adds, (tokens, C) each. Every input has its graph's
+        shape."""
+        decode = meta.max_q_len == 1
+        key = (ids.shape[0], decode)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(ids, positions, meta, decode)
+        graph, inputs, outputs = self.graphs[key]
         width = meta.block_tables.shape[1]
-        for buffer, x in zip(inputs, (ids, positions, meta.slots, meta.lengths)):
+        varying = (ids, positions, meta.slots, meta.lengths)  # a decode's other inputs are fixed
+        if not decode:
+            varying += (meta.cu_seqlens_q,)
+        for buffer, x in zip(inputs, varying):
             buffer.copy_(x)
         inputs[-1][:, :width].copy_(meta.block_tables)  # columns past width: never read
         graph.replay()
-        return logits
+        return outputs
 
-    def _capture(self, ids, positions, meta):
-        """Capture a bucket's graph. The warm-up run before it (which compiles and autotunes the
+    def _capture(self, ids, positions, meta, decode):
+        """Capture a graph. The warm-up run before it (which compiles and autotunes the
         kernels, work a capture may not do) takes this step's own inputs, so the keys and values
         it writes are the ones the replay writes again."""
-        bucket, device = ids.shape[0], ids.device
+        rows, device = meta.lengths.shape[0], ids.device
         width = triton.cdiv(self.max_len, self.kv[0].shape[2])  # blocks of the longest sequence
-        tables = torch.zeros(bucket, width, dtype=torch.int32, device=device)
+        tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
         tables[:, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        inputs = (ids.clone(), positions.clone(), meta.slots.clone(), meta.lengths.clone(), tables)
+        inputs = (ids.clone(), positions.clone(), meta.slots.clone(), meta.lengths.clone())
+        inputs += (() if decode else (meta.cu_seqlens_q.clone(),)) + (tables,)
         graph_meta = AttentionMetadata(
-            slots=inputs[2], cu_seqlens_q=meta.cu_seqlens_q, lengths=inputs[3], block_tables=tables,
-            max_q_len=1, max_len=self.max_len, sample_rows=meta.sample_rows)
+            slots=inputs[2], cu_seqlens_q=meta.cu_seqlens_q if decode else inputs[4],
+            lengths=inputs[3], block_tables=tables, max_q_len=1 if decode else ids.shape[0],
+            max_len=self.max_len, sample_rows=meta.sample_rows if decode else None)
         run = functools.partial(forward_packed, self.model, inputs[0], inputs[1], self.kv,
-                                graph_meta, self.attention)
+                                graph_meta, self.attention, head=decode)
         side = torch.cuda.Stream(device)  # warm-up off the main stream, as capture requires
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -2600,8 +2650,8 @@ class DecodeGraphs:
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = run()
-        return graph, inputs, logits
+            outputs = run()
+        return graph, inputs, outputs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4261,11 +4311,12 @@ class StepHandle:
 
 class ModelRunner:
     """Turns a step's packed sequences into tensors, runs the model and samples. It owns the
-    paged KV cache, allocated once; decode steps replay CUDA graphs on a GPU (unless
-    enforce_eager), other steps run forward_packed eagerly. launch() only queues the work and
+    paged KV cache, allocated once; on a GPU (unless enforce_eager) its steps replay CUDA
+    graphs (StepGraphs), else run forward_packed eagerly. launch() only queues the work and
     starts copying the sampled tokens back: the StepHandle's read() waits for them."""
 
-    def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False):
+    def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False,
+                 max_num_seqs=256):
         self.model = fuse_projections(model)
         cfg = model.cfg
         self.device, self.dtype = _device_of(model), model.model.embed_tokens.weight.dtype
@@ -4280,8 +4331,8 @@ class ModelRunner:
                    torch.zeros(shape, device=self.device, dtype=self.dtype))
         self.scratch_slot = num_blocks * block_size
         graphed = self.device.type == "cuda" and model.kernels and not enforce_eager
-        self.graphs = (DecodeGraphs(self.model, self.kv, self.max_len, self.attention)
-                       if graphed else None)
+        self.graphs = (StepGraphs(self.model, self.kv, self.max_len, self.attention,
+                                  max_num_seqs) if graphed else None)
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -4372,12 +4423,19 @@ class ModelRunner:
             tables.append(table)
             cu.append(len(ids))
             sample_rows += range(len(ids) - samples, len(ids))
-        graphed = len(ids) == len(entries) and self.graphs is not None  # a decode step
-        if graphed:  # padded to its graph's bucket: rows that read nothing, write the scratch slot
+        decode = len(ids) == len(entries)
+        graphed = self.graphs is not None and (decode or len(entries) <= self.graphs.rows)
+        if graphed and decode:  # padded to its bucket: rows that read nothing, write the scratch
             pad = graph_bucket(len(ids)) - len(ids)
             ids, positions, lengths = ids + [0] * pad, positions + [0] * pad, lengths + [0] * pad
             slots += [self.scratch_slot] * pad
             cu += range(cu[-1] + 1, cu[-1] + pad + 1)
+        elif graphed:  # token rows of no sequence, sequences of no tokens
+            pad = token_bucket(len(ids)) - len(ids)
+            ids, positions = ids + [0] * pad, positions + [0] * pad
+            slots += [self.scratch_slot] * pad
+            lengths += [0] * (self.graphs.rows - len(entries))
+            cu += [cu[-1]] * (self.graphs.rows - len(entries))
         table_array = np.zeros((len(lengths), max(map(len, tables))), dtype=np.int32)
         for row, table in enumerate(tables):
             table_array[row, :len(table)] = table
@@ -4397,6 +4455,12 @@ class ModelRunner:
         positions_d = self._to_device(positions, torch.int64)
         if not graphed:
             return forward_packed(self.model, ids_d, positions_d, self.kv, meta, self.attention)
+        if not decode:  # the output layer on the rows that sample, outside the graph
+            x, h = self.graphs(ids_d, positions_d, meta)
+            if not sample_rows:  # a step of prompt chunks that all go on
+                return x.new_empty(0, self.vocab_size)
+            return norm_linear(x[rows_d], h[rows_d], self.model.model.norm,
+                               self.model.output_weight())[0]
         meta.sample_rows = torch.arange(len(ids), device=self.device)
         logits = self.graphs(ids_d, positions_d, meta)  # (bucket, V)
         return logits if len(sample_rows) == len(ids) else logits[rows_d]
@@ -4437,6 +4501,27 @@ class ModelRunner:
             return {seq: (row[:a + 1], [None] * (a + 1))
                     for seq, row, a in zip(drafted, tokens_list, accepted_t.tolist())}
         return wait
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_batched_tokens):
+        """Capture the graph of every tokens bucket a step other than a decode can fill, up to
+        max_num_batched_tokens, so that no request waits for one (a server does this before it
+        is ready). Each is captured on a made-up step of sequences of zeros whose tokens all
+        write the scratch block, so no sequence's keys change. (A decode step's graph is still
+        captured at its batch size's first step: its attention is tuned on the real lengths.)
+        Returns how many graphs there are."""
+        if self.graphs is None:
+            return 0
+        scratch = self.scratch_slot // self.block_size
+        buckets = {token_bucket(n) for n in range(2, max_num_batched_tokens + 1)}
+        for tokens in sorted(buckets):
+            lengths = [min(self.max_len, tokens - start)
+                       for start in range(0, tokens, self.max_len)]
+            if len(lengths) <= self.graphs.rows:
+                self.forward([([0] * n, None, 0, [scratch] * triton.cdiv(n, self.block_size), 0)
+                              for n in lengths])
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs.graphs)
 
     def _to_device(self, data, dtype):
         """A host list or array on the device: from pinned memory, without waiting for the GPU."""
@@ -4814,13 +4899,18 @@ class LLM:
             speculative = make_proposer(speculative, self.model, num_kv_blocks, block_size,
                                         self.max_model_len, enforce_eager)
         runner = ModelRunner(self.model, num_kv_blocks, block_size, self.max_model_len,
-                             enforce_eager)
+                             enforce_eager, max_num_seqs)
         blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.engine = LLMEngine(runner, blocks, eos_token_ids=eos_token_ids,
                                 max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, tokenizer=tokenizer,
                                 async_scheduling=async_scheduling, speculative=speculative,
                                 debug=debug)
+
+    def capture_graphs(self):
+        """Capture the CUDA graphs of the steps that are not decodes ahead of the first request
+        (ModelRunner.capture_graphs; none without graphs). Returns how many graphs there are."""
+        return self.engine.runner.capture_graphs(self.engine.scheduler.max_num_batched_tokens)
 
     def generate(self, prompts, sampling_params=None):
         """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
@@ -6615,6 +6705,10 @@ class Server:
             self.loaded.set()
 
     def _start(self, llm):
+        start = time.perf_counter()
+        graphs = llm.capture_graphs()  # before the first request, which would wait for them
+        if graphs:
+            LOG.info("%d CUDA graphs captured in %.1f s", graphs, time.perf_counter() - start)
         with self.lock:
             if self.stopped:
                 return
@@ -6658,14 +6752,15 @@ def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None
           max_connections=MAX_CONNECTIONS):
     """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port; port 0 takes a free
     one. llm may also be a function that returns the LLM: it then loads on a thread of its own,
-    and until it is ready every route answers 503. api_key: required on every route but / and
+    and until it is ready every route answers 503 (an LLM is ready at once, after its CUDA
+    graphs are captured: LLM.capture_graphs). api_key: required on every route but / and
     /health ("Authorization: Bearer KEY"). served_model_name: the model's name in the API
     (default "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds
     that any read or write on a client's socket may take (and a stream's client may take to read
     what it was sent). stream_interval: a stream writes at most every so many seconds, a chunk
     carrying the tokens since the last (0: every step). max_connections: open connections at
     most, each served by a thread (a 503 beyond). Returns the Server as soon as its socket is
-    bound; its threads are daemon threads."""
+    bound (and an LLM's graphs captured); its threads are daemon threads."""
     return Server(llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
                   stream_interval, max_connections)
 
@@ -6910,8 +7005,10 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
     print(f"\nserving: Qwen3-0.6B shape, bf16, random weights; streaming /v1/completions over "
           f"loopback HTTP, prompt {prompt_len} and output {output_len} tokens (ignore_eos), "
           f"temperature {temperature}; against LLM.generate on the same requests")
-    # Warm-up: outputs of 1..top tokens, so that decode batches shrink through every size and
-    # each CUDA graph is captured, and top prompts of prompt_len for the prefill's tile sizes.
+    # Warm-up: the graphs of steps that are not decodes, as the server captures them before it
+    # is ready; outputs of 1..top tokens, so that decode batches shrink through every size and
+    # each decode graph is captured, and top prompts of prompt_len for the prefill's tile sizes.
+    llm.capture_graphs()
     llm.generate(warm_up, [SamplingParams(max_tokens=1 + i, temperature=temperature,
                                           ignore_eos=True) for i in range(top)])
     # The engine alone first: once serve() has it, only the server's engine thread may call it.
