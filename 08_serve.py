@@ -4523,7 +4523,7 @@ class ModelRunner:
         keys = min(CAPTURE_KEYS, self.max_len)
         buckets = {token_bucket(n) for n in range(2, max_num_batched_tokens + 1)}
         for tokens in sorted(buckets):
-            decodes = min(tokens // 8, self.graphs.rows - 1)
+            decodes = max(0, min(tokens // 8, self.graphs.rows - triton.cdiv(tokens, self.max_len)))
             entries = [([0], None, keys - 1, [scratch] * triton.cdiv(keys, bs), 1)] * decodes
             rest = tokens - decodes
             chunks = [min(self.max_len, rest - at) for at in range(0, rest, self.max_len)]

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy
 import pytest
@@ -1609,6 +1610,30 @@ def test_paged_prefill_tiles_come_from_the_packed_tokens(q8, case):
     out = q8.paged_prefill_attention(q, k_pool, v_pool, tables, cu, lens, n + pad)
     expected = q8.paged_attention_torch(q, k_pool, v_pool, tables, cu, lens)
     assert (out[:n] - expected[:n]).abs().max().item() < 1e-5
+
+
+def test_capture_graphs_makes_a_step_for_every_bucket(q8, monkeypatch):
+    """capture_graphs' made-up steps, recorded on the CPU in place of the graphed forward: one a
+    tokens bucket up to the budget, of the bucket's tokens exactly, not decode-shaped, within
+    the graphs' sequences, with as many decodes as those allow up to an eighth of the tokens,
+    and every token in the scratch block."""
+    model = q8.random_model(q8.Qwen3Config.tiny(), torch.device("cpu"), torch.float32)
+    runner = q8.ModelRunner(model, 64, 16, 256, max_num_seqs=8)
+    steps = []
+    runner.graphs = types.SimpleNamespace(rows=8, graphs={})
+    monkeypatch.setattr(runner, "forward", steps.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    runner.capture_graphs(1000)
+    buckets = sorted({q8.token_bucket(n) for n in range(2, 1001)})
+    assert [sum(len(e[0]) for e in entries) for entries in steps] == buckets
+    scratch = runner.scratch_slot // 16
+    for tokens, entries in zip(buckets, steps):
+        assert len(entries) <= 8 and any(len(e[0]) > 1 for e in entries)
+        decodes = [e for e in entries if len(e[0]) == 1]
+        assert len(decodes) == min(tokens // 8, 8 - -(-tokens // 256))
+        for ids, _, start, table, _ in entries:
+            assert start + len(ids) <= 256 and set(table) == {scratch}
+            assert len(table) * 16 >= start + len(ids)
 
 
 def small_cuda_model(q8, dtype):
