@@ -1612,13 +1612,15 @@ def test_paged_prefill_tiles_come_from_the_packed_tokens(q8, case):
     assert (out[:n] - expected[:n]).abs().max().item() < 1e-5
 
 
-def test_capture_graphs_makes_a_step_for_every_bucket(q8, monkeypatch):
+def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch):
     """capture_graphs' made-up steps, recorded on the CPU in place of the graphed forward: one a
     tokens bucket up to the budget, of the bucket's tokens exactly, not decode-shaped, within
     the graphs' sequences, with as many decodes as those allow up to an eighth of the tokens,
-    and every token in the scratch block."""
+    and every token in the scratch block. Without graphs (the CPU) there is nothing to do."""
+    assert reference.capture_graphs() == 0
     model = q8.random_model(q8.Qwen3Config.tiny(), torch.device("cpu"), torch.float32)
     runner = q8.ModelRunner(model, 64, 16, 256, max_num_seqs=8)
+    assert runner.capture_graphs(1000) == 0
     steps = []
     runner.graphs = types.SimpleNamespace(rows=8, graphs={})
     monkeypatch.setattr(runner, "forward", steps.append)
