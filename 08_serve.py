@@ -4528,7 +4528,7 @@ class ModelRunner:
             rest = tokens - decodes
             chunks = [min(self.max_len, rest - at) for at in range(0, rest, self.max_len)]
             entries += [([0] * n, None, 0, [scratch] * triton.cdiv(n, bs), 0) for n in chunks]
-            if len(entries) <= self.graphs.rows:
+            if len(entries) <= self.graphs.rows and (tokens, False) not in self.graphs.graphs:
                 self.forward(entries)
         torch.cuda.synchronize(self.device)
         return len(self.graphs.graphs)

@@ -1616,7 +1616,8 @@ def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch
     """capture_graphs' made-up steps, recorded on the CPU in place of the graphed forward: one a
     tokens bucket up to the budget, of the bucket's tokens exactly, not decode-shaped, within
     the graphs' sequences, with as many decodes as those allow up to an eighth of the tokens,
-    and every token in the scratch block. Without graphs (the CPU) there is nothing to do."""
+    and every token in the scratch block; none for a bucket captured already. Without graphs
+    (the CPU) there is nothing to do."""
     assert reference.capture_graphs() == 0
     model = q8.random_model(q8.Qwen3Config.tiny(), torch.device("cpu"), torch.float32)
     runner = q8.ModelRunner(model, 64, 16, 256, max_num_seqs=8)
@@ -1636,6 +1637,9 @@ def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch
         for ids, _, start, table, _ in entries:
             assert start + len(ids) <= 256 and set(table) == {scratch}
             assert len(table) * 16 >= start + len(ids)
+    runner.graphs.graphs = {(tokens, False): None for tokens in buckets}
+    runner.capture_graphs(1000)  # (the server's, after the bench's): each is captured already
+    assert len(steps) == len(buckets)
 
 
 def small_cuda_model(q8, dtype):
