@@ -4516,9 +4516,10 @@ class ModelRunner:
         token then fills a sliver of each (Qwen3-0.6B, 63 decodes of 600 keys and a 512-token
         prompt on the H200: 101 us a layer; tuned on this step, 16-row tiles and 78 us). A
         decode step's graph is still captured at its batch size's first step: its attention is
-        tuned on the real lengths. Returns how many graphs there are."""
+        tuned on the real lengths. Returns how many graphs it captured."""
         if self.graphs is None:
             return 0
+        before = len(self.graphs.graphs)
         bs, scratch = self.block_size, self.scratch_slot // self.block_size
         keys = min(CAPTURE_KEYS, self.max_len)
         buckets = {token_bucket(n) for n in range(2, max_num_batched_tokens + 1)}
@@ -4531,7 +4532,7 @@ class ModelRunner:
             if len(entries) <= self.graphs.rows and (tokens, False) not in self.graphs.graphs:
                 self.forward(entries)
         torch.cuda.synchronize(self.device)
-        return len(self.graphs.graphs)
+        return len(self.graphs.graphs) - before
 
     def _to_device(self, data, dtype):
         """A host list or array on the device: from pinned memory, without waiting for the GPU."""
@@ -4919,7 +4920,7 @@ class LLM:
 
     def capture_graphs(self):
         """Capture the CUDA graphs of the steps that are not decodes ahead of the first request
-        (ModelRunner.capture_graphs; none without graphs). Returns how many graphs there are."""
+        (ModelRunner.capture_graphs; none without graphs). Returns how many it captured."""
         return self.engine.runner.capture_graphs(self.engine.scheduler.max_num_batched_tokens)
 
     def generate(self, prompts, sampling_params=None):
@@ -7018,7 +7019,9 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
     # Warm-up: the graphs of steps that are not decodes, as the server captures them before it
     # is ready; outputs of 1..top tokens, so that decode batches shrink through every size and
     # each decode graph is captured, and top prompts of prompt_len for the prefill's tile sizes.
-    llm.capture_graphs()
+    start = time.perf_counter()
+    graphs = llm.capture_graphs()
+    print(f"{graphs} CUDA graphs captured in {time.perf_counter() - start:.1f} s", flush=True)
     llm.generate(warm_up, [SamplingParams(max_tokens=1 + i, temperature=temperature,
                                           ignore_eos=True) for i in range(top)])
     # The engine alone first: once serve() has it, only the server's engine thread may call it.
