@@ -1,4 +1,5 @@
-"""Stage 08: the text boundary and the OpenAI-compatible server, on the CPU.
+"""Stage 08: the text boundary and the OpenAI-compatible server, on the CPU; the engine's CUDA
+graphs of the steps that mix prompts into decodes, on a GPU.
 
 The references: for the Detokenizer, the decode of all the tokens at once cut at the earliest
 stop string (Python's own UTF-8 decoder, tiktoken's bytes); for what the server generates, the
@@ -6,7 +7,8 @@ engine's own LLM.generate on a second copy of the same model (greedy tokens, and
 which stage 07 makes the same in any batch); for the API's shapes, OpenAI's documented objects
 as the official `openai` client parses them, and the raw bytes as the standard library's
 http.client reads them; for structured output, Python's json and re; for the chat page, its
-script run in node (where node is installed) against the server, showing the engine's replies.
+script run in node (where node is installed) against the server, showing the engine's replies;
+for the graphs, the eager forward and the plain torch attention.
 
 One server (the tiny random Qwen3 of main, with main's demo tokenizer, behind an API key) serves
 the module on a free loopback port; the tests that need a server of their own (loading, shutdown,
