@@ -1787,8 +1787,8 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
     starts, and the grid depends on N and B only, as a CUDA graph needs.
     Q, OUT (N, Hq, D): the sequences' new tokens, sequence b's at rows CU_SEQLENS_Q[b] ..
     CU_SEQLENS_Q[b + 1] - 1 (clamped to N; rows past the last are padding, left unwritten).
-    K, V: pools viewed as (num_blocks, Hkv, PAGE, D),
-    found through BLOCK_TABLES (B, max_blocks) int32, row stride stride_tb. LENGTHS (B,): keys
+    K, V: pools viewed as (num_blocks, Hkv, PAGE, D), found through BLOCK_TABLES (B,
+    max_blocks) int32, row stride stride_tb. LENGTHS (B,): keys
     of each sequence, its new ones included (clamped to max_keys = max_blocks * PAGE, so a wrong
     one never reads past the table): new token t of q_len sits at position
     LENGTHS[b] - q_len + t and sees keys 0 through that position. Any strides, unit last
@@ -2172,7 +2172,7 @@ class KVCache:
 # host's work overlaps the GPU's (Qwen3-0.6B at batch 1: a step of 784 us, 1,124 without).
 # NEW in stage 08: a server's steps. Requests arrive while others decode, so many steps carry a
 # prompt beside the decodes, and run eagerly they are host-bound: on the H200, Qwen3-0.6B's step
-# of 63 decodes and a 512-token prompt took 22.8 ms of Python launches for a few ms of GPU work,
+# of 63 decodes and a 512-token prompt took 12-24 ms of Python launches for a few ms of GPU work,
 # and every stream waited for it. So StepGraphs captures those steps too, one graph per tokens
 # bucket over max_num_seqs sequences, stopping before the output layer (which runs on the rows
 # that sample): 1.4 ms of host time and 5.8 ms in all for that step, and 19 graphs cover 8,192
@@ -2601,7 +2601,7 @@ class StepGraphs:
     part of its shape, and a few graphs serve every step. Attention is bounded by max_len, the
     longest sequence the engine allows, and the prefill kernel's grid by the graph's tokens and
     rows: a graph's launches never depend on the step's lengths. A shape's first step waits for
-    its capture (Qwen3-0.6B: about 50 ms). The graphs share one memory pool: they never run at
+    its capture (Qwen3-0.6B: 30-70 ms). The graphs share one memory pool: they never run at
     the same time."""
 
     def __init__(self, model, kv, max_len, attention, rows):
@@ -5822,8 +5822,8 @@ LOG = logging.getLogger("08_serve")
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
 # A stream writes at most every STREAM_INTERVAL seconds (serve's stream_interval), a chunk
 # carrying every token since the last: each write is Python on the engine thread (see Delivery).
-# (H200, 64 streams of 0.6B: 0.69x of the engine's tokens/s writing every step; 0.72-0.86x in
-# three runs at 20 ms.)
+# (H200, 64 streams of Qwen3-0.6B, measured before the mixed steps were graphed: 0.69x the
+# engine's tokens/s writing every step, up to 0.86x writing every 20 ms.)
 STREAM_INTERVAL = 0.02
 MAX_PENDING_BYTES = 4 << 20  # of a stream, not read by its client yet (the client is dropped)
 MAX_CONNECTIONS = 1024  # open at once, a thread each (serve's max_connections; a 503 beyond)

@@ -100,6 +100,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def small_cuda_model(stage, dtype):
+    """Stage 07's or 08's random Qwen3 with the real head size (D=128) and a GQA group of 4, on
+    the GPU, its weights ten times the bench's, so that the logits are not all ~0."""
+    cfg = stage.Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=640,
+                            num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                            max_position_embeddings=512, tie_word_embeddings=False)
+    model = stage.random_model(cfg, torch.device("cuda"), dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(10)
+    return model
+
+
 def tiny_hf_gpt2(seed=0, n_layer=2, n_head=3, n_embd=48, n_positions=40, vocab_size=97):
     """transformers' GPT2LMHeadModel, the reference GPT-2, on a tiny config of odd sizes with every
     weight random: eager attention, no dropout, no special tokens, in eval mode.

@@ -44,7 +44,7 @@ import pytest
 import requests
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, ROOT, check_bad_flag, load_stage
+from conftest import HAS_CUDA, ROOT, check_bad_flag, load_stage, small_cuda_model
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
                         pre_tokenizers, processors, trainers)
 
@@ -3689,19 +3689,6 @@ def test_gpu_decode_attention_at_scale(q7):
     for splits in (None, 1, 7, 64):
         out = q7.decode_attention(q, k, v, lengths, num_splits=splits).float()
         assert ((out - expected).norm() / expected.norm()).item() < 1e-2, splits
-
-
-def small_cuda_model(q7, dtype):
-    """A random Qwen3 with the real head size (D=128) and a GQA group of 4, on the GPU."""
-    cfg = q7.Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=640,
-                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=False)
-    model = q7.random_model(cfg, torch.device("cuda"), dtype)
-    with torch.no_grad():  # larger weights than the bench's, so that the logits are not all ~0
-        for name, param in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                param.mul_(10)
-    return model
 
 
 @pytest.mark.gpu

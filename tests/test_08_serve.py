@@ -33,7 +33,7 @@ import types
 import numpy
 import pytest
 import torch
-from conftest import ROOT, check_bad_flag, load_stage
+from conftest import ROOT, check_bad_flag, load_stage, small_cuda_model
 
 try:
     import openai
@@ -1642,19 +1642,6 @@ def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch
     runner.graphs.graphs = {(tokens, False): None for tokens in buckets}
     runner.capture_graphs(1000)  # (the server's, after the bench's): each is captured already
     assert len(steps) == len(buckets)
-
-
-def small_cuda_model(q8, dtype):
-    """A random Qwen3 with the real head size (D=128) and a GQA group of 4, on the GPU."""
-    cfg = q8.Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=640,
-                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=False)
-    model = q8.random_model(cfg, torch.device("cuda"), dtype)
-    with torch.no_grad():  # larger weights, so that the logits are not all ~0
-        for name, param in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                param.mul_(10)
-    return model
 
 
 def close(a, b, tol=1e-4):
