@@ -1326,6 +1326,14 @@ def _matmul_configs():
             for m, n, k, s, w in tiles]
 
 
+def _bench_in_graph(kernel_call, quantiles):
+    """The autotuner's timing of one candidate, replayed from a CUDA graph. Timed as launched, a
+    small product measures its launch from Python (about 25 us of host time a launch, against 5-6
+    us of GPU work at 1024^3 on the H200), and the autotuner there chose 128 x 64 tiles (0.82x
+    cuBLAS in a graph) over 64 x 128 (0.91x)."""
+    return triton.testing.do_bench_cudagraph(kernel_call, quantiles=quantiles)
+
+
 def _prune_matmul_configs(configs, named_args, **kwargs):
     # a tile more than twice the problem in both directions is mostly padding: skip compiling and
     # timing those (small problems then keep one config, the smallest)
@@ -1362,7 +1370,7 @@ def _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_
 
 
 @triton.autotune(configs=_matmul_configs(), key=["M", "N", "K"],
-                 prune_configs_by={"early_config_prune": _prune_matmul_configs})
+                 prune_configs_by={"early_config_prune": _prune_matmul_configs}, do_bench=_bench_in_graph)
 @triton.heuristics({"EVEN_K": lambda meta: meta["K"] % meta["BLOCK_K"] == 0})
 @triton.jit
 def _matmul_kernel(A, B, C, BIAS, PRE, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
@@ -1408,9 +1416,11 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     tiles = lambda meta: triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])  # noqa: E731
     a_tma, b_tma, c_tma = _tma_layout(a), _tma_layout(b), _tma_layout(out)
-    if a_tma and b_tma and _use_tma(a):
-        programs = 2 if INTERPRET else torch.cuda.get_device_properties(a.device).multi_processor_count
-        split = _split_k(M, N, K, programs)
+    programs = 2 if INTERPRET else _num_sms(a.device)
+    split = _split_k(M, N, K, programs)
+    # under the interpreter every product the TMA kernel can take goes to it: that is what the
+    # CPU tests are there to check
+    if a_tma and b_tma and _use_tma(a) and (INTERPRET or split > 1 or not _few_tiles(M, N, programs)):
         triton.set_allocator(_scratch)
         # split: the kernel writes fp32 partial tiles to a workspace, and _split_k_sum_kernel
         # adds them into out
@@ -1648,8 +1658,8 @@ def triton_loss_fn(logits, targets):
 # unit stride and the other a multiple of 16 bytes: row-major operands or transposed ones (a
 # weight's .t(), an activation's .t() in the backward), 16-bit types. _mm checks that
 # (_tma_layout); the pointer kernel covers the rest (fp32, odd K or N, other strides, pre-Hopper
-# GPUs). Rows whose N values are not whole 16-byte units are padded (_empty_aligned_rows) so that
-# their products stay on this kernel.
+# GPUs) and the products too small to fill the SMs (_few_tiles). Rows whose N values are not
+# whole 16-byte units are padded (_empty_aligned_rows) so that their products stay on this kernel.
 #
 # Split-K. A product with a small output and a long K, such as a weight's gradient in training
 # (768 x 3,072 summed over 16,384 tokens), has too few tiles for the SMs: 72 tiles of 128 x 256
@@ -1691,7 +1701,7 @@ def _store_halves(C, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M: tl.constexpr, 
 
 
 @triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "A_T", "B_T", "C_TMA", "SPLIT_K"],
-                 prune_configs_by={"early_config_prune": _prune_tma_configs})
+                 prune_configs_by={"early_config_prune": _prune_tma_configs}, do_bench=_bench_in_graph)
 @triton.jit
 def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_cm, stride_cn,
                        A_T: tl.constexpr, B_T: tl.constexpr, C_TMA: tl.constexpr, APPLY_GELU: tl.constexpr,
@@ -1773,8 +1783,21 @@ def _split_k(M, N, K, programs):
     times the parts) run in waves of `programs`, each part at least 2,048 long so that its
     partial tile costs little beside its products; 1 (no split) when the tiles fill the SMs."""
     tiles = triton.cdiv(M, 128) * triton.cdiv(N, 256)
+    if tiles >= programs:
+        # a wave count a few percent better is not worth writing and reading back fp32 partials
+        # of the whole output: 8192^3 cut in 3 ran at 0.80x cuBLAS, uncut at 1.00x
+        return 1
     parts = range(1, min(4, K // 2048) + 1)
     return min(parts, key=lambda p: (triton.cdiv(tiles * p, programs) / p, p), default=1)
+
+
+def _few_tiles(M, N, programs):
+    """Fewer 128 x 128 tiles of the output than SMs (1024 x 1024 has 64 for the H200's 132): a
+    product of a few microseconds, which the TMA kernel's setup in each program (tensor
+    descriptors built in global memory and fenced) does not repay. At 1024^3 the same 64 x 128
+    tile ran at 0.64x cuBLAS in the TMA kernel and 0.91x in the pointer kernel; at 2048^3 and
+    3072^3 the TMA kernel is ahead (0.93x and 0.88x, against 0.91x and 0.76x)."""
+    return triton.cdiv(M, 128) * triton.cdiv(N, 128) < programs
 
 
 def _tma_layout(x):

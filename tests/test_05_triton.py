@@ -384,8 +384,15 @@ def test_split_k_counts(s):
     assert s._split_k(768, 2304, 16384, 132) == 2  # 54 tiles: 108 items in one wave
     assert s._split_k(768, 768, 16384, 132) == 4   # 18 tiles
     assert s._split_k(4096, 4096, 4096, 132) == 1  # 512 tiles fill the SMs
+    assert s._split_k(8192, 8192, 8192, 132) == 1  # 2,048 tiles: 3 parts would pack waves 2% better
     assert s._split_k(1024, 1024, 1024, 132) == 1  # parts would be shorter than 2,048
     assert s._split_k(16384, 768, 3072, 132) == 1
+
+
+def test_small_products_take_the_pointer_kernel(s):
+    # fewer 128 x 128 output tiles than SMs, and no split: the pointer kernel (on the GPU)
+    assert s._few_tiles(1024, 1024, 132) and s._few_tiles(64, 8192, 132)
+    assert not s._few_tiles(2048, 2048, 132) and not s._few_tiles(1536, 1536, 132)
 
 
 def test_matmul_tma_declines(s):
@@ -723,7 +730,8 @@ def test_matmul_gpu(s, gen, dtype):
 @pytest.mark.parametrize("a_t", [False, True])
 @pytest.mark.parametrize("b_t", [False, True])
 def test_matmul_tma_gpu(s, gen, a_t, b_t):
-    a, b = tma_operands(s, gen, 1000, 776, 2056, a_t, b_t, torch.bfloat16)
+    a, b = tma_operands(s, gen, 2000, 776, 2056, a_t, b_t, torch.bfloat16)  # 272 tiles of 128 x 128
+    assert not s._few_tiles(2000, 2056, s._num_sms(a.device))
     bias = randn(gen, 2056, dtype=torch.bfloat16)
     poison_cache(a, b)
     check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
@@ -740,6 +748,14 @@ def test_matmul_split_k_gpu(s, gen):
     bias = randn(gen, 768, dtype=torch.bfloat16)
     check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
                 [dy.t(), x, bias], TOL[torch.bfloat16], gen)
+
+
+@pytest.mark.gpu
+def test_matmul_gpu_small_on_the_pointer_kernel(s, gen, monkeypatch):
+    # 1024^3 in bf16: TMA could read it, but it has too few tiles for the SMs (_few_tiles)
+    a, b = randn(gen, 1024, 1024, dtype=torch.bfloat16), randn(gen, 1024, 1024, dtype=torch.bfloat16, scale=1 / 32)
+    monkeypatch.setattr(s, "_matmul_tma_kernel", None)  # any use of it fails
+    assert rel_err(s.matmul(a, b), a.double() @ b.double()) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
