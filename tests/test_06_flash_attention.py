@@ -129,6 +129,22 @@ def test_flash_head_dims_and_scale(fa):
                                 sm_scale=0.3)
 
 
+def test_warp_specialized_tile_only_on_the_one_loop_path(fa, monkeypatch):
+    # Offered where the forward has one key loop (non-causal, S a multiple of 128): Triton 3.6
+    # fails to compile a warp-specialized kernel with two. Pinned anyway, as here (where the
+    # interpreter ignores the request), the kernel runs its loops plain and still agrees.
+    ws = fa._config(32, 16, 4, 1, fa.HEAD_DIMS, warp_specialize=True)
+    plain = fa._config(32, 16, 4, 1, fa.HEAD_DIMS)
+    for causal, even_s, offered in [(False, True, True), (False, False, False), (True, True, False)]:
+        kept = fa._prune_configs([plain, ws], None, D=64, CAUSAL=causal, EVEN_S=even_s)
+        assert kept == ([plain, ws] if offered else [plain])
+    assert fa._prune_configs([plain, ws], None, D=64, CAUSAL=False) == [plain]  # backward kernels
+    monkeypatch.setattr(fa._flash_fwd_kernel, "configs", [ws])
+    monkeypatch.setattr(fa._flash_fwd_kernel, "cache", {})
+    for T, S, causal in [(40, 128, False), (40, 50, True)]:
+        check_against_reference(fa, 1, 2, 1, T, S, 32, causal, torch.float32, F32_TOL, F32_TOL)
+
+
 def test_fully_masked_rows_give_zero_and_no_nan(fa):
     # causal with T > S: the first T - S queries see no key
     T, S = 67, 17
@@ -383,8 +399,11 @@ def test_gpu_cuda_graph_step_matches_launched_steps(fa):
 # Each tile configuration the autotuner may pick, pinned alone: a wrong tile shows only at real
 # sizes, and the autotuner would hide it behind a faster one (one configuration of Triton's
 # warp-specialized loop returned NaN on the H200). Forward tiles on both of the forward's paths
-# (S a multiple of 128, non-causal: one key loop; ragged T and S, causal: two); backward tiles
-# on the ragged causal case, with GQA. D = the largest head size the tile is made for, up to 128.
+# (S a multiple of 128, non-causal: one key loop; ragged T and S, causal: two), each on the paths
+# it is offered for; backward tiles on the ragged causal case, with GQA. D = the largest head
+# size the tile is made for, up to 128. A warp-specialized tile must compile to a specialized
+# kernel (ttg.warp_specialize in its TTGIR): Triton drops the request silently when its
+# conditions do not hold, and the tile is then plain code that spills.
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel, configs", [("_flash_fwd_kernel", "_FWD_CONFIGS"),
                                              ("_flash_bwd_dkdv_kernel", "_DKDV_CONFIGS"),
@@ -393,11 +412,16 @@ def test_gpu_every_tile_configuration(fa, monkeypatch, kernel, configs):
     tuner = getattr(fa, kernel)
     forward = kernel == "_flash_fwd_kernel"
     cases = [(1024, 1024, False), (1000, 1500, True)] if forward else [(1000, 1500, True)]
+    compiled = []
+    run = tuner.fn.run
+    monkeypatch.setattr(tuner.fn, "run", lambda *a, **kw: compiled.append(run(*a, **kw)) or compiled[-1])
     for config in getattr(fa, configs):
         monkeypatch.setattr(tuner, "configs", [config])
         monkeypatch.setattr(tuner, "cache", {})
         D = max(d for d in config.head_dims if d <= 128) if min(config.head_dims) <= 128 else 256
         for T, S, causal in cases:
+            if not fa._prune_configs([config], None, D=D, CAUSAL=causal, EVEN_S=S % 128 == 0):
+                continue
             q, k, v = make_qkv(1, 4, 2, T, S, D, torch.bfloat16, seed=T + D)
             out = fa.flash_attention(q, k, v, causal=causal)
             dout = torch.randn_like(out)
@@ -408,6 +432,8 @@ def test_gpu_every_tile_configuration(fa, monkeypatch, kernel, configs):
                 out.backward(dout)
                 for ours, ref in zip((q.grad, k.grad, v.grad), ref_grads):
                     assert torch.isfinite(ours).all() and rel_err(ours, ref) < GPU_TOL[torch.bfloat16][1], where
+            specialized = "ttg.warp_specialize" in compiled[-1].asm["ttgir"]
+            assert specialized == config.kwargs.get("WARP_SPECIALIZE", False), where
 
 
 @pytest.mark.gpu
