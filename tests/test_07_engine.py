@@ -1323,11 +1323,12 @@ def qk_norm_rope_float64(qkv, positions, inv_freq, q_w, k_w, eps, Hq, Hkv, D):
     return norm_rope(q, q_w), norm_rope(k, k_w), v
 
 
+@pytest.mark.parametrize("Hq, Hkv", [(4, 2), (6, 2)])  # 8 heads a token; 10, in 16 rows
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_qk_norm_rope_kernel(q7, dtype, tol):
+def test_qk_norm_rope_kernel(q7, dtype, tol, Hq, Hkv):
     """Queries returned, keys and values written into a paged cache layer at each token's slot
     (every other slot untouched), against float64; the torch twin too."""
-    N, Hq, Hkv, D, eps = 3, 4, 2, 32, 0.05
+    N, D, eps = 3, 32, 0.05
     qkv = gen64(N, (Hq + 2 * Hkv) * D, seed=4) * 2
     q_w, k_w = gen64(D, seed=5) + 1, gen64(D, seed=6) + 1
     positions, slots = torch.tensor([0, 17, 5]), torch.tensor([9, 2, 30])
