@@ -64,7 +64,7 @@ def new_llm(q8, checkpoint, **kwargs):
 
 @pytest.fixture(scope="module")
 def llm(q8, checkpoint):
-    return new_llm(q8, checkpoint)
+    return new_llm(q8, checkpoint, prefill_first=True)  # as main serves
 
 
 @pytest.fixture(scope="module")
@@ -1302,6 +1302,14 @@ def test_shutdown_ends_open_streams_and_stops(q8, spare, monkeypatch):
 
 # ----------------------------------------------------------------------- the command line
 
+def test_prefill_first_is_on_unless_switched_off(q8, checkpoint):
+    """main's engine runs prompts first by default; --no-prefill-first turns it off."""
+    for flags, on in (([], True), (["--no-prefill-first"], False)):
+        args = q8.parse_args(["--model", str(checkpoint), "--device", "cpu", *flags])
+        llm = q8.load_llm(args, checkpoint)
+        assert llm.engine.scheduler.prefill_first is on
+
+
 def test_main_serves_a_demo_and_stops(q8, reference, capsys):
     """python 08_serve.py: the tiny random model (the one this module serves), three requests
     over HTTP, printed; the completion is the engine's greedy one."""
@@ -1612,6 +1620,70 @@ def test_paged_prefill_tiles_come_from_the_packed_tokens(q8, case):
     out = q8.paged_prefill_attention(q, k_pool, v_pool, tables, cu, lens, n + pad)
     expected = q8.paged_attention_torch(q, k_pool, v_pool, tables, cu, lens)
     assert (out[:n] - expected[:n]).abs().max().item() < 1e-5
+
+
+def run_tracing_waits(q8, engine, arrivals):
+    """Step the engine to the end, adding arrivals {step: [(id, prompt, params)]} at those steps.
+    Checks every step against prefill_first's rule, and returns (outputs by id, steps that ran
+    prompts while sequences decoded, steps where decodes ran beside prompt tokens)."""
+    outputs, alone, beside, waited, step = {}, 0, 0, 0, 0
+    while engine.has_unfinished() or step in arrivals:
+        for request in arrivals.pop(step, ()):
+            engine.add_request(*request)
+        decoding = {seq for seq in engine.scheduler.running  # (not those whose last token
+                    if seq.num_tokens - seq.num_computed_tokens <= 1  # is on its way)
+                    and seq.num_output_tokens < seq.max_tokens}
+        for out in engine.step():
+            outputs[out.request_id] = out
+        batch = {seq for seq, _ in engine.last_batch}
+        prompts, decodes = bool(batch - decoding), bool(batch & decoding)
+        if decoding and not decodes:
+            assert prompts, "the decodes skipped a step with no prompt to run"
+            alone += 1
+            waited += 1
+            assert waited <= q8.MAX_DECODE_WAIT
+        elif decodes:
+            if prompts:  # only once they have waited their most, or no prompt could run alone
+                beside += 1
+            waited = 0
+        step += 1
+    return outputs, alone, beside
+
+
+def test_prefill_first_runs_prompts_alone(q8, checkpoint, reference):
+    """With prefill_first, a step with prompt tokens to run (prompts waiting, or one cut in
+    chunks) runs those only, the decodes waiting at most MAX_DECODE_WAIT steps in a row; each
+    request's tokens equal those of the engine without it (greedy, and seeded samples)."""
+    llm = new_llm(q8, checkpoint, prefill_first=True, max_num_batched_tokens=6, debug=True)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100) for _ in range(n)] for n in (3, 5, 30, 4, 2, 7)]
+    params = [q8.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              q8.SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)] * 3
+    # the 30-token prompt takes 5 steps of 6 tokens: the decodes then run beside its last chunk
+    arrivals = {0: [(0, prompts[0], params[0]), (1, prompts[1], params[1])],
+                3: [(2, prompts[2], params[2])], 4: [(3, prompts[3], params[3])],
+                13: [(4, prompts[4], params[4]), (5, prompts[5], params[5])]}
+    outputs, alone, beside = run_tracing_waits(q8, llm.engine, arrivals)
+    assert alone >= q8.MAX_DECODE_WAIT and beside >= 1
+    expected = reference.generate(prompts, params)
+    assert [outputs[i].token_ids for i in range(6)] == [e.token_ids for e in expected]
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_prefill_first_never_stalls_on_a_prompt_without_blocks(q8, checkpoint, reference):
+    """A waiting prompt that the KV pool cannot take while others decode: the decodes run (were
+    they to wait for it, no block would ever be freed), and it runs once one of them ends."""
+    llm = new_llm(q8, checkpoint, prefill_first=True, block_size=4, num_kv_blocks=10, debug=True)
+    engine, greedy = llm.engine, q8.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    rng = random.Random(6)
+    a, b = ([rng.randrange(100) for _ in range(16)] for _ in range(2))
+    # a holds 7 of the 10 blocks by step 12 (26 tokens); b needs 4 for its 16 prompt tokens
+    outputs, alone, beside = run_tracing_waits(q8, engine, {0: [("a", a, greedy)],
+                                                            12: [("b", b, greedy)]})
+    assert alone == 0 and engine.stats["preemptions"] == 0
+    assert [outputs["a"].token_ids, outputs["b"].token_ids] == [
+        e.token_ids for e in reference.generate([a, b], greedy)]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch):

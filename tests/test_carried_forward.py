@@ -324,7 +324,12 @@ CHANGED = {
                         "test_08_serve.py::test_gpu_mixed_step_graphs_equal_eager",
                         "test_08_serve.py::test_gpu_engine_with_mixed_graphs_equals_enforce_eager"],
         "LLM": ["test_08_serve.py::test_capture_graphs_makes_a_step_for_every_bucket",
-                "test_08_serve.py::test_gpu_engine_with_mixed_graphs_equals_enforce_eager"],
+                "test_08_serve.py::test_gpu_engine_with_mixed_graphs_equals_enforce_eager",
+                "test_08_serve.py::test_prefill_first_runs_prompts_alone"],
+        # prefill_first: a step with prompt tokens to run runs those only (the server's default)
+        **{name: ["test_08_serve.py::test_prefill_first_runs_prompts_alone",
+                  "test_08_serve.py::test_prefill_first_never_stalls_on_a_prompt_without_blocks"]
+           for name in ("Scheduler", "LLMEngine")},
     },
 }
 
