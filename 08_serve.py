@@ -4326,8 +4326,10 @@ class Scheduler:
             if seq.draft_tokens:  # the rejected drafts' positions are computed again later
                 k, accepted = len(seq.draft_tokens), len(new) - 1
                 seq.num_computed_tokens -= k - accepted
-                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
                 seq.draft_tokens, seq.draft_probs = [], None
+            # the draft model's cache past here holds drafts this step did not accept, or that
+            # the budget cut before they were verified (all of them, even)
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
             if seq.is_finished:  # ended (by eos, or aborted) while this step ran
                 continue
             for token, token_logprobs in zip(new, new_logprobs):
@@ -4865,8 +4867,8 @@ class LLMEngine:
         """Draft tokens for the next step of every decoding sequence that speculates."""
         seqs, ks = [], []
         for seq in self._speculating():
-            if seq.num_computed_tokens != seq.num_tokens - 1:
-                continue
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
+                continue  # (drafts still held: the budget left it out of this step; they wait)
             k = min(self.num_speculative, seq.max_tokens - seq.num_output_tokens - 1)
             if k >= 1 and self.block_manager.grow(seq.block_table, seq.num_tokens + k):
                 seqs.append(seq)

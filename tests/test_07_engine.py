@@ -2855,6 +2855,28 @@ def test_draft_model_speculation(q7, hf_dir):
     assert_all_free(tight.engine)
 
 
+@pytest.mark.parametrize("budget", [5, 6, 7])
+def test_draft_speculation_under_a_tight_budget(q7, hf_dir, budget):
+    """Five sequences decoding at once, drafts of 3 from the target itself, 5-7 tokens a step:
+    the budget cuts the drafts of some sequences (all of them, at times) and leaves others out
+    of the step with their drafts, which wait for the next. Every draft is still the target's
+    own choice (all accepted) and the outputs are the target's greedy ones. (Proposing again
+    over waiting drafts, or past drafts that were cut, once fed the draft model rows of other
+    sequences, and crashed the step.)"""
+    hf, folder = hf_dir
+    model = q7.load_qwen3(folder, device="cpu")
+    prompts = [[5], [9], [11], [13], [17]]
+    llm = q7.LLM(model, max_model_len=40, debug=True, max_num_batched_tokens=budget,
+                 speculative={"method": "draft", "model": model, "num_tokens": 3,
+                              "min_accepted": 0})
+    params = q7.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == hf_greedy_all(hf, prompts, [10] * 5)
+    stats = llm.engine.stats
+    assert stats["accepted_tokens"] == stats["draft_tokens"] > 0
+    assert_all_free(llm.engine)
+
+
 # --------------------------------------------- speculative decoding: proposals, rejection sampling
 
 def ngram_reference(ids, k, max_n, min_n):
