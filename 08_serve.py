@@ -4868,7 +4868,7 @@ class LLMEngine:
         seqs, ks = [], []
         for seq in self._speculating():
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
-                continue  # (drafts still held: the budget left it out of this step; they wait)
+                continue  # (still holding drafts: it sat this step out, and they wait for the next)
             k = min(self.num_speculative, seq.max_tokens - seq.num_output_tokens - 1)
             if k >= 1 and self.block_manager.grow(seq.block_table, seq.num_tokens + k):
                 seqs.append(seq)
