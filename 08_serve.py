@@ -4205,9 +4205,8 @@ class BlockManager:
 # beside the running decodes waits for the whole mixed step: on the H200, Qwen3-0.6B, a
 # 512-token prompt alone takes 2.7 ms, beside 63 decodes 4.9 ms. With prefill_first a step with
 # prompt tokens to run runs those only, and the decodes wait a step (the order vLLM's first
-# scheduler kept); the server turns it on. TTFT at 64 streams, arrivals spread (the serving
-# bench, two runs): p50 10.7-11.1 ms prompts first, 13.4-14.1 ms mixed, and the time per output
-# token no worse. So that a stream of arrivals cannot starve the decodes, they wait at most
+# scheduler kept); the server turns it on (the serving bench shows what it buys, against the
+# same run mixed). So that a stream of arrivals cannot starve the decodes, they wait at most
 # MAX_DECODE_WAIT steps in a row.
 
 MAX_DECODE_WAIT = 4  # a burst of 64 prompts of 512 tokens is 4 steps of 8,192 tokens
