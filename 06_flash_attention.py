@@ -863,14 +863,20 @@ def softmax(x):
 
 @triton.jit
 def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N: tl.constexpr, RMS: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, R=None, S=None):
     # X, Y (n_rows, N); W, B (N,) (B may be None); MEAN, RSTD (n_rows,) fp32, None when not wanted
     # (MEAN always None for RMS). N is a compile-time constant: where N == BLOCK_N the column mask folds away.
+    # R (n_rows, N), or None: added to x first, the sum written to S and normalized (stage 06's
+    # add_layer_norm).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]  # (ROWS, BLOCK_N)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if R is not None:  # in fp32, then rounded to S's dtype: what torch's x + r computes
+        x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
+        x = x.to(S.dtype.element_ty).to(tl.float32)  # the norm reads the sum as it was stored
     if RMS:
         xc = x
     else:
@@ -891,10 +897,12 @@ def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N: tl.constexpr, RMS: 
 
 @triton.jit
 def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, N, rows_per_program,
-                     RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DS=None,
+                     DR=None):
     # Program p takes rows [p * rows_per_program, (p + 1) * rows_per_program), ROWS at a time: writes
     # their dx, and row p of DW_PART and DB_PART (programs, N), its partial sums of dw and db
-    # (DB_PART is None when there is no bias).
+    # (DB_PART is None when there is no bias). DS (n_rows, N), or None: a gradient of x from
+    # elsewhere (the residual stream's), added to dx; DR, or None: receives dx too, in its dtype.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -916,7 +924,13 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, N, rows
         dx = g - xhat * (tl.sum(xhat * g, axis=1) / N)[:, None]
         if not RMS:
             dx -= (tl.sum(g, axis=1) / N)[:, None]
-        tl.store(DX + offs, (dx * rstd).to(DX.dtype.element_ty), mask=mask)
+        dx *= rstd
+        if DS is not None:  # the two gradients of x, summed in fp32 as autograd sums them
+            dx = dx.to(DX.dtype.element_ty).to(tl.float32)
+            dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if DR is not None:
+            tl.store(DR + offs, dx.to(DX.dtype.element_ty).to(DR.dtype.element_ty), mask=mask)
         dw += dy * xhat
         db += dy
     tl.store(DW_PART + pid * N + cols, tl.sum(dw, axis=0), mask=cols < N)
@@ -958,29 +972,77 @@ def _column_sum(x, dtype):
     return out
 
 
+def _norm_forward(x, weight, bias, eps, rms, stats, out_dtype, r=None):
+    """The forward launch: (y, mean, rstd, s). r: added to x first (rows the whole-row kernel
+    takes only, see _whole_rows), s = x + r; None: s is None. stats: keep mean, rstd."""
+    n_rows, n_cols = x.shape
+    y = torch.empty_like(x, dtype=out_dtype)
+    mean = None if rms or not stats else torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32) if stats else None
+    s = None if r is None else torch.empty_like(x)
+    args = (x, weight, bias, y, mean, rstd, eps)
+    block_n = triton.next_power_of_2(n_cols)
+    if not _whole_rows(x):
+        # streamed where that is faster on the H200: fp32 rows from 1,024 columns, 16-bit rows
+        # above 8,192. Chunks of half the row (at most _CHUNK), one 16-byte load a thread a
+        # chunk: 4 warps for 512 fp32 values, 32 for 4,096 (more warps, or more values a
+        # thread, were slower)
+        assert r is None, "the streamed kernel has no residual add"
+        chunk = min(_CHUNK, block_n // 2)
+        _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=rms, BLOCK_N=chunk,
+                                           num_warps=chunk * x.element_size() // (16 * 32))
+    else:
+        # whole rows in registers, 16 values a thread: at 1,024 bf16 columns two warps a row
+        # are 0.5% of copy bandwidth faster than _launch_rows's one
+        rows = min(max(1, 1024 // block_n), triton.next_power_of_2(n_rows))
+        _norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+            *args, n_rows, n_cols, RMS=rms, ROWS=rows, BLOCK_N=block_n, R=r, S=s,
+            num_warps=min(16, max(1, rows * block_n // 512)))
+    return y, mean, rstd, s
+
+
+def _whole_rows(x):
+    """Whether the norm's forward holds x's rows whole (_norm_fwd_kernel), not streamed."""
+    n_cols = x.shape[-1]
+    return not (n_cols > _MAX_FUSED_NORM_N or (x.element_size() == 4 and n_cols >= 1024))
+
+
+def _norm_backward(x, weight, bias, mean, rstd, dy, rms, ds=None, r_dtype=None):
+    """The backward launches: (dx, dw, db, dr). ds: a gradient of x from elsewhere, added to dx;
+    r_dtype: also return dx in that dtype, as dr (both for add_layer_norm, whole rows only)."""
+    n_rows, n_cols = x.shape
+    dx = torch.empty_like(x)
+    dr = None if r_dtype is None else torch.empty_like(x, dtype=r_dtype)
+    block_n = triton.next_power_of_2(n_cols)
+    looped = block_n > _MAX_FUSED_BWD_N
+    rows = 1 if looped else min(max(1, _FUSED_ELEMS // block_n), triton.next_power_of_2(n_rows))
+    warps = 8 if looped else min(16, max(4, rows * block_n // 512))
+    # enough programs to fill the GPU a few times over, each owning a run of rows (a multiple of
+    # ROWS)
+    programs = min(triton.cdiv(n_rows, rows), _num_sms(x.device) * max(1, 32 // warps))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), rows) * rows
+    programs = triton.cdiv(n_rows, rows_per_program)
+    new_part = torch.zeros if looped else torch.empty  # the looped kernel adds into its row
+    dw_part = new_part((programs, n_cols), device=x.device, dtype=torch.float32)
+    db_part = None if bias is None else new_part((programs, n_cols), device=x.device,
+                                                 dtype=torch.float32)
+    args = (x, weight, dy.contiguous(), dx, mean, rstd, dw_part, db_part, n_rows, n_cols,
+            rows_per_program)
+    if looped:
+        assert ds is None and dr is None, "the streamed kernel has no residual gradient"
+        _norm_bwd_looped_kernel[(programs,)](*args, RMS=rms, BLOCK_N=_CHUNK, num_warps=warps)
+    else:
+        _norm_bwd_kernel[(programs,)](*args, RMS=rms, ROWS=rows, BLOCK_N=block_n, DS=ds, DR=dr,
+                                      num_warps=warps)
+    dw = _column_sum(dw_part, weight.dtype)
+    db = None if bias is None else _column_sum(db_part, bias.dtype)
+    return dx, dw, db, dr
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, rms, stats, out_dtype):  # x (rows, N); stats: keep mean, rstd for backward
-        n_rows, n_cols = x.shape
-        y = torch.empty_like(x, dtype=out_dtype)
-        mean = None if rms or not stats else torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32) if stats else None
-        args = (x, weight, bias, y, mean, rstd, eps)
-        block_n = triton.next_power_of_2(n_cols)
-        if n_cols > _MAX_FUSED_NORM_N or (x.element_size() == 4 and n_cols >= 1024):
-            # streamed where that is faster on the H200: fp32 rows from 1,024 columns, 16-bit rows
-            # above 8,192. Chunks of half the row (at most _CHUNK), one 16-byte load a thread a
-            # chunk: 4 warps for 512 fp32 values, 32 for 4,096 (more warps, or more values a
-            # thread, were slower)
-            chunk = min(_CHUNK, block_n // 2)
-            _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=rms, BLOCK_N=chunk,
-                                               num_warps=chunk * x.element_size() // (16 * 32))
-        else:
-            # whole rows in registers, 16 values a thread: at 1,024 bf16 columns two warps a row
-            # are 0.5% of copy bandwidth faster than _launch_rows's one
-            rows = min(max(1, 1024 // block_n), triton.next_power_of_2(n_rows))
-            _norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, RMS=rms, ROWS=rows, BLOCK_N=block_n,
-                                                           num_warps=min(16, max(1, rows * block_n // 512)))
+        y, mean, rstd, _ = _norm_forward(x, weight, bias, eps, rms, stats, out_dtype)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.rms = rms
         return y
@@ -989,26 +1051,7 @@ class _Norm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        n_rows, n_cols = x.shape
-        dx = torch.empty_like(x)
-        block_n = triton.next_power_of_2(n_cols)
-        looped = block_n > _MAX_FUSED_BWD_N
-        rows = 1 if looped else min(max(1, _FUSED_ELEMS // block_n), triton.next_power_of_2(n_rows))
-        warps = 8 if looped else min(16, max(4, rows * block_n // 512))
-        # enough programs to fill the GPU a few times over, each owning a run of rows (a multiple of ROWS)
-        programs = min(triton.cdiv(n_rows, rows), _num_sms(x.device) * max(1, 32 // warps))
-        rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), rows) * rows
-        programs = triton.cdiv(n_rows, rows_per_program)
-        new_part = torch.zeros if looped else torch.empty  # the looped kernel adds into its row
-        dw_part = new_part((programs, n_cols), device=x.device, dtype=torch.float32)
-        db_part = None if bias is None else new_part((programs, n_cols), device=x.device, dtype=torch.float32)
-        args = (x, weight, dy.contiguous(), dx, mean, rstd, dw_part, db_part, n_rows, n_cols, rows_per_program)
-        if looped:
-            _norm_bwd_looped_kernel[(programs,)](*args, RMS=ctx.rms, BLOCK_N=_CHUNK, num_warps=warps)
-        else:
-            _norm_bwd_kernel[(programs,)](*args, RMS=ctx.rms, ROWS=rows, BLOCK_N=block_n, num_warps=warps)
-        dw = _column_sum(dw_part, weight.dtype)
-        db = None if bias is None else _column_sum(db_part, bias.dtype)
+        dx, dw, db, _ = _norm_backward(x, weight, bias, mean, rstd, dy, ctx.rms)
         return dx, dw, db, None, None, None, None
 
 
@@ -1614,6 +1657,15 @@ class TritonLayerNorm(LayerNorm):
         dtype = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else None
         return layer_norm(x, self.weight, self.bias, self.eps, out_dtype=dtype)
 
+    def add_forward(self, x, r):  # changed in 06
+        """(x + r, this norm of it) in one pass (add_layer_norm, TritonGPT); r None:
+        (x, norm(x))."""
+        if r is None:
+            return x, self(x)
+        autocast = x.is_cuda and torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda") if autocast else None
+        return add_layer_norm(x, r, self.weight, self.bias, self.eps, out_dtype=dtype)
+
 
 class TritonGELU(GELU):
     def forward(self, x):
@@ -1642,9 +1694,10 @@ class TritonAttention(MultiHeadAttention):
 
 
 def use_triton_kernels(model):
-    """Switch every LayerNorm, GELU, Linear, MLP and attention in `model` to its Triton twin, in place."""
+    """Switch every LayerNorm, GELU, Linear, MLP and attention in `model` to its Triton twin, in
+    place; a GPT to TritonGPT (changed in 06: its residual adds fused into the norms)."""
     twins = {LayerNorm: TritonLayerNorm, GELU: TritonGELU, nn.Linear: TritonLinear, MLP: TritonMLP,
-             MultiHeadAttention: TritonAttention}
+             MultiHeadAttention: TritonAttention, GPT: TritonGPT}
     for module in model.modules():
         twin = twins.get(type(module))
         if twin is not None:
@@ -3215,6 +3268,73 @@ def plain_twin(model):
         if twin is not None:
             module.__class__ = twin
     return model
+
+
+# Training faster: the residual add fused into the norm that reads its result. In a pre-norm
+# block the stream x takes x + attention(ln_1(x)), and ln_2 reads the sum at once; then x + mlp(.),
+# which the next block's ln_1 reads. Under autocast x is fp32 and each branch bf16: one add reads
+# both and writes the fp32 sum, the norm reads it back; in the backward autograd adds the
+# stream's gradient to the norm's and casts the sum to bf16 for the branch, two more passes.
+# add_layer_norm does each pair in one pass over the rows (_norm_fwd_kernel's R, S;
+# _norm_bwd_kernel's DS, DR), with the same roundings: the same training to fp32 rounding.
+# TritonGPT runs the blocks' norms this way: each add is done by the norm that follows it.
+
+class _AddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, r, weight, bias, eps, out_dtype):  # x, r (rows, N) -> x + r, its norm
+        ctx.set_materialize_grads(False)  # s may feed nothing else (ln_f's): its gradient is None
+        y, mean, rstd, s = _norm_forward(x, weight, bias, eps, False, True, out_dtype, r)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.r_dtype = r.dtype
+        return s, y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, ds, dy):
+        s, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None:  # only the sum was used: its gradient passes to x and r as it is
+            return ds, ds.to(ctx.r_dtype), None, None, None, None
+        dx, dw, db, dr = _norm_backward(s, weight, bias, mean, rstd, dy, False, ds, ctx.r_dtype)
+        return dx, dr, dw, db, None, None
+
+
+def add_layer_norm(x, r, weight, bias, eps=1e-5, out_dtype=None):
+    """(x + r, layer_norm(x + r)) for x, r (..., N): the sum in x's dtype, as torch's x + r where
+    r's dtype is x's or narrower (bf16 into an fp32 stream); y as layer_norm's. One pass where
+    the norm holds rows whole, else the add and the norm one after the other."""
+    _check_norm(x, weight, bias)
+    _check_tensor("r", r, device=x.device, rows=True)
+    if r.shape != x.shape or torch.result_type(x, r) != x.dtype:
+        raise ValueError(f"add_layer_norm: r {tuple(r.shape)} {r.dtype} must have x's shape "
+                         f"{tuple(x.shape)} and a dtype that x's {x.dtype} holds")
+    if not _whole_rows(x):
+        s = x + r
+        return s, layer_norm(s, weight, bias, eps, out_dtype)
+    rows = x.view(-1, x.shape[-1])
+    s, y = _AddNorm.apply(rows, r.reshape(rows.shape), weight, bias, eps, out_dtype)
+    return s.view(x.shape), y.view(x.shape)
+
+
+class TritonGPT(GPT):
+    def forward(self, idx):
+        """GPT.forward with each residual add done by the norm after it (add_layer_norm): the
+        stream x and the branch output not yet added to it go from block to block."""
+        if idx.dim() != 2 or idx.dtype != torch.long:
+            raise ValueError(f"idx must be a (B, T) tensor of int64 token ids, "
+                             f"got {tuple(idx.shape)} {idx.dtype}")
+        T = idx.shape[1]
+        if T > self.cfg.context_length:
+            raise ValueError(f"sequence length {T} exceeds the context length "
+                             f"{self.cfg.context_length}")
+        if idx.device.type == "cpu" or not self.training:
+            check_token_ids(idx, self.cfg.vocab_size)
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        branch = None  # the last MLP's output, added by the next norm
+        for block in self.h:
+            x, h = block.ln_1.add_forward(x, branch)
+            x, h = block.ln_2.add_forward(x, block.attn(h))
+            branch = block.mlp(h)
+        return self.lm_head(self.ln_f.add_forward(x, branch)[1])
 
 
 # A training step of GPT-2 124M on these kernels launches over 900 kernels, and Python spends

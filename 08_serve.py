@@ -861,14 +861,20 @@ _CHUNK = 4096  # chunk of a streamed (wide) row
 
 @triton.jit
 def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N: tl.constexpr, RMS: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, R=None, S=None):
     # X, Y (n_rows, N); W, B (N,) (B may be None); MEAN, RSTD (n_rows,) fp32, None when not wanted
     # (MEAN always None for RMS). N is a compile-time constant: where N == BLOCK_N the column mask folds away.
+    # R (n_rows, N), or None: added to x first, the sum written to S and normalized (stage 06's
+    # add_layer_norm).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]  # (ROWS, BLOCK_N)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if R is not None:  # in fp32, then rounded to S's dtype: what torch's x + r computes
+        x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
+        x = x.to(S.dtype.element_ty).to(tl.float32)  # the norm reads the sum as it was stored
     if RMS:
         xc = x
     else:

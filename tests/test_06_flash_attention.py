@@ -298,6 +298,76 @@ def test_flash_attend_refuses_dropout(fa):
     assert model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE)).shape == (1, 5, 97)
 
 
+@pytest.mark.parametrize("n, r_dtype", [(48, torch.float32), (48, torch.bfloat16),
+                                        (1100, torch.float32)])  # 1,100: the unfused path
+def test_add_layer_norm(fa, n, r_dtype):
+    """(x + r, layer_norm(x + r)) and the gradients of x, r, weight and bias, with both outputs
+    used and with one only, against the same sum and norm done apart (torch's add, layer_norm):
+    the same to fp32 rounding (bitwise under the interpreter; the H200's compiled kernels differ
+    in the last bits), but for a bf16 r's gradient: one unit in its last place, as the fp32
+    value it is rounded from may differ in its last bits (and the interpreter's bf16 rounding
+    truncates where the GPU's rounds to nearest)."""
+    gen = torch.Generator().manual_seed(n)
+    x, r, ds, dy = (torch.randn(5, 3, n, generator=gen).to(DEVICE) for _ in range(4))
+    w, b = (torch.randn(n, generator=gen).to(DEVICE) for _ in range(2))
+    ulp = 2.0 ** -7 if r_dtype == torch.bfloat16 else 0.0
+    for used in ("both", "sum", "norm"):
+        results = []
+        for fused in (True, False):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, r.to(r_dtype), w, b)]
+            if fused:
+                s, y = fa.add_layer_norm(*leaves, 1e-5)
+            else:
+                s = leaves[0] + leaves[1]
+                y = fa.layer_norm(s, *leaves[2:], 1e-5)
+            loss = (s * ds).sum() * (used != "norm") + (y * dy).sum() * (used != "sum")
+            loss.backward()
+            results.append([s, y] + [t.grad for t in leaves])
+        for name, ours, ref in zip(("s", "y", "dx", "dr", "dw", "db"), *results):
+            if ref is None:
+                assert ours is None or not ours.any(), name
+            elif name == "dr":
+                torch.testing.assert_close(ours, ref, rtol=max(ulp, 1e-5), atol=1e-6,
+                                           msg=f"dr, {used} used")
+            else:
+                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6,
+                                           msg=f"{name}, {used} used")
+    with pytest.raises(ValueError, match="must have x's shape"):
+        fa.add_layer_norm(x, r[:2], w, b)
+    with pytest.raises(ValueError, match="a dtype that x's"):
+        fa.add_layer_norm(x.to(torch.float16), r, w, b)
+
+
+def test_triton_gpt_fuses_the_residual_adds(fa, monkeypatch):
+    """use_triton_kernels makes a GPT a TritonGPT, whose residual adds are done by the norms:
+    2 per block and ln_f's, less the first block's ln_1 (no add before it). Its logits and
+    gradients equal, to fp32 rounding, the same Triton twins run through GPT.forward, one add
+    at a time, and torch's own model's."""
+    cfg = fa.GPTConfig(vocab_size=97, context_length=16, n_embd=32, n_head=2, n_layer=2,
+                       dropout=0.0)
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    torch.manual_seed(0)
+    plain = fa.GPT(cfg).to(DEVICE)
+    fused, apart = (fa.use_triton_kernels(fa.GPT(cfg).to(DEVICE)) for _ in range(2))
+    fused.load_state_dict(plain.state_dict())
+    apart.load_state_dict(plain.state_dict())
+    apart.__class__ = fa.GPT  # the twins' layers, GPT.forward's adds
+    assert type(fused) is fa.TritonGPT
+    calls = []
+    add_layer_norm = fa.add_layer_norm
+    monkeypatch.setattr(fa, "add_layer_norm",
+                        lambda *a, **k: calls.append(1) or add_layer_norm(*a, **k))
+    outputs = []
+    for model in (fused, apart, plain):
+        logits = model(idx)
+        logits.square().mean().backward()
+        outputs.append([logits] + [p.grad for p in model.parameters()])
+    assert len(calls) == 2 * cfg.n_layer
+    for ours, same, ref in zip(*outputs):
+        torch.testing.assert_close(ours, same, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_main_on_the_cpu():
     # `python 06_flash_attention.py` as README runs it: stage 05's kernel table (8 kernels forward,
     # 7 backward), the GPT's logits on the Triton kernels and flash attention, generation
