@@ -298,6 +298,29 @@ def test_flash_attend_refuses_dropout(fa):
     assert model(torch.zeros(1, 5, dtype=torch.long, device=DEVICE)).shape == (1, 5, 97)
 
 
+def test_matmul_under_autocast_keeps_gradient_dtypes(fa):
+    """Under bf16 autocast, matmul of fp32 a, weight and bias: the output is bf16, and the
+    gradients come back in fp32 straight from the kernels' fp32 sums, not rounded to bf16 and
+    cast back (which is what autocast outside the function would give: about 2e-3 off). Against
+    the same product in fp32 on the bf16-rounded inputs, whose products are exact in fp32."""
+    gen = torch.Generator().manual_seed(0)
+    a, w, dout = (torch.randn(*shape, generator=gen).to(DEVICE) for shape in ((40, 48), (24, 48),
+                                                                              (40, 24)))
+    bias = torch.randn(24, generator=gen).to(DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (a, w, bias)]
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        out = fa.matmul(leaves[0], leaves[1].t(), leaves[2])
+    dout = dout.to(torch.bfloat16)
+    out.backward(dout)
+    a16, w16, b16 = (t.to(torch.bfloat16).float() for t in (a, w, bias))
+    assert out.dtype == torch.bfloat16
+    # one unit in bf16's last place (the interpreter truncates to bf16, the GPU rounds)
+    torch.testing.assert_close(out.float(), a16 @ w16.t() + b16, rtol=2 ** -7, atol=1e-5)
+    for leaf, ref in zip(leaves, (dout.float() @ w16, dout.float().t() @ a16, dout.float().sum(0))):
+        assert leaf.grad.dtype == torch.float32 and leaf.grad.shape == leaf.shape
+        assert rel_err(leaf.grad, ref) < 1e-5
+
+
 @pytest.mark.parametrize("n, r_dtype", [(48, torch.float32), (48, torch.bfloat16),
                                         (1100, torch.float32)])  # 1,100: the unfused path
 def test_add_layer_norm(fa, n, r_dtype):
