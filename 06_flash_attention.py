@@ -3361,7 +3361,9 @@ def cuda_graph_step(step, warmup=3):
     """Run step() `warmup` times (autotuning, allocations) on a side stream, as capture requires,
     then capture one call in a CUDA graph. Returns replay(): one launch reruns every kernel of step
     and returns what the captured call returned (the same tensors, rewritten by each replay). An
-    optimizer stepped inside must be capturable (make_optimizer(..., capturable=True))."""
+    optimizer stepped inside must be capturable (make_optimizer(..., capturable=True)). replay
+    holds on to step: the graph reads and writes the memory of the tensors step reaches (the
+    model's weights, the optimizer's state, the input batch), which must outlive it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -3375,6 +3377,10 @@ def cuda_graph_step(step, warmup=3):
     def replay():
         graph.replay()
         return outputs
+    # a graph keeps no reference to the tensors it was captured on: without this one, a caller
+    # that kept only replay would let them be freed and their memory be handed to other tensors,
+    # which each replay would then overwrite
+    replay.step = step
     return replay
 
 

@@ -445,6 +445,19 @@ def test_gpu_float32_is_precise(fa, case):
 
 
 @pytest.mark.gpu
+def test_gpu_cuda_graph_step_keeps_its_tensors(fa):
+    """A caller that keeps only the replay: the tensors the step was captured on stay alive, so
+    new tensors do not get their memory (which the replays would read, and overwrite)."""
+    def make():
+        w, x = torch.randn(2, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        return fa.cuda_graph_step(lambda: (w * x).sum(), warmup=1), (w * x).sum().item()
+
+    replay, expected = make()
+    junk = [torch.full((4096,), float("nan"), device="cuda") for _ in range(64)]
+    assert replay().item() == expected and all(t.isnan().all() for t in junk)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_step_matches_launched_steps(fa):
     # a whole training step (Triton kernels, flash attention, loss, fused AdamW) replayed from a
     # CUDA graph, with new batches copied into its input: the losses and weights of the same
