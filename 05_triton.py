@@ -938,11 +938,16 @@ def _column_sum(x, dtype):
     block_n = min(triton.next_power_of_2(n_cols), 256)
     block_m = 4096 // block_n  # a 4,096-element tile per step
     grid_n = triton.cdiv(n_cols, block_n)
-    if n_rows > 512:
-        groups = triton.cdiv(n_rows, 256)
+    # rows in groups that give the first pass about 4 programs an SM, each a whole number of
+    # BLOCK_M-row steps (fixed 256-row groups gave GPT-2's LayerNorm partial sums, (528, 768)
+    # fp32, 9 programs on the H200's 132 SMs); few rows, or one group, take a single pass
+    groups = max(1, 4 * _num_sms(x.device) // grid_n)
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, groups), block_m) * block_m
+    groups = triton.cdiv(n_rows, rows_per_program)
+    if n_rows > 512 and groups > 1:
         part = torch.empty((groups, n_cols), device=x.device, dtype=torch.float32)
-        _column_sum_kernel[(grid_n, groups)](x, part, n_rows, n_cols, x.stride(0), 256, BLOCK_M=block_m,
-                                             BLOCK_N=block_n, num_warps=8)
+        _column_sum_kernel[(grid_n, groups)](x, part, n_rows, n_cols, x.stride(0), rows_per_program,
+                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
         x, n_rows = part, groups
     out = torch.empty(n_cols, device=x.device, dtype=dtype)
     _column_sum_kernel[(grid_n, 1)](x, out, n_rows, n_cols, x.stride(0), n_rows, BLOCK_M=block_m, BLOCK_N=block_n,

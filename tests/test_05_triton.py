@@ -190,13 +190,14 @@ def test_layer_norm_out_dtype(s, gen, n):
 #   norm backward: fused (N <= 8,192; ROWS rows a step, dw and db summed in registers) or streamed
 #     (a row a step, added into the program's row of partials), each with several row blocks a
 #     program and a last program whose run passes the end: test_norm_backward_sums_over_row_blocks
-#   column sum: one pass (<= 512 rows), or groups of 256 rows (several programs a column block)
-#     and a pass over the groups' sums; BLOCK_M = 4,096 // BLOCK_N rows a step, more than a group
-#     holds below 16 columns: test_column_sum
+#   column sum: one pass (<= 512 rows, or rows that one program's group holds), or row groups
+#     (several programs a column block, each several BLOCK_M-row steps, the last group short)
+#     and a pass over the groups' sums: test_column_sum; how many groups:
+#     test_column_sum_fills_the_gpu
 
-def record_launches(monkeypatch, module, name):
+def record_launches(monkeypatch, module, name, run=True):
     """Launch module.<name>, a Triton kernel, as before, recording each launch: a list of
-    (grid, {argument name: value})."""
+    (grid, {argument name: value}). run=False: record only (the outputs are left unwritten)."""
     kernel = getattr(module, name)
     launches = []
 
@@ -204,7 +205,7 @@ def record_launches(monkeypatch, module, name):
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launches.append((grid, {**dict(zip(kernel.arg_names, args)), **kwargs}))
-                return kernel[grid](*args, **kwargs)
+                return kernel[grid](*args, **kwargs) if run else None
             return launch
 
     monkeypatch.setattr(module, name, Recorder())
@@ -235,7 +236,7 @@ def test_norm_backward_sums_over_row_blocks(s, gen, monkeypatch, looped, rms):
     assert programs >= 2 and run >= 2 * block and programs * run > args["n_rows"], (programs, run, block)
 
 
-@pytest.mark.parametrize("rows,n", [(100, 300), (600, 300), (1000, 3)])
+@pytest.mark.parametrize("rows,n", [(100, 300), (600, 300), (1000, 3), (5000, 3)])
 def test_column_sum(s, gen, rows, n):
     # the norm backward's second kernel (and the matmul's bias gradient), on rows of a padded buffer
     x = randn(gen, rows, n + 5)[:, :n]
@@ -243,6 +244,29 @@ def test_column_sum(s, gen, rows, n):
         out = s._column_sum(x, dtype)
         assert out.dtype == dtype and out.shape == (n,)
         assert rel_err(out, x.double().sum(0)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rows,n", [(1056, 768), (16384, 768), (16384, 3072), (600, 3), (5000, 3)])
+def test_column_sum_fills_the_gpu(s, gen, monkeypatch, rows, n):
+    # On the H200's 132 SMs the first pass has about 4 programs an SM: within a factor of 2 of
+    # 4 * 132, or of as many as its BLOCK_M-row steps allow where that is fewer (1,056 rows of a
+    # LayerNorm's partial sums: one step a program). 16,384 rows would take the interpreter
+    # minutes, so their launches are only recorded; the others are summed and checked.
+    monkeypatch.setattr(s, "_num_sms", lambda device: 132)
+    small = rows * n <= 10 ** 6
+    launches = record_launches(monkeypatch, s, "_column_sum_kernel", run=small)
+    x = randn(gen, rows, n) if small else torch.empty(1, n, device=DEVICE).expand(rows, n)
+    out = s._column_sum(x, torch.float32)
+    (grid_n, groups), args = launches[0]
+    block_m = args["BLOCK_M"]
+    target = min(4 * 132, grid_n * ((rows + block_m - 1) // block_m))
+    assert target / 2 <= grid_n * groups <= 2 * target, (grid_n, groups, target)
+    # several groups of whole BLOCK_M-row steps, then a pass over their sums; or a single pass
+    run = args["rows_per_program"]
+    assert (groups - 1) * run < rows <= groups * run and (groups == 1 or run % block_m == 0)
+    assert len(launches) == (1 if groups == 1 else 2)
+    if small:
+        assert rel_err(out, x.double().sum(0)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("n", [67, 1024])  # the fused forward; the streamed one (fp32, >= 1,024)
