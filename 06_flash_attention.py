@@ -2699,13 +2699,14 @@ def _empty_grad(x):
     return torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)
 
 
-def _flash_backward(dout, q, k, v, out, lse2, causal, sm_scale):
-    """dq (B, Hq, T, D) and dk, dv (B, Hkv, S, D) for dout (B, Hq, T, D)."""
+def _flash_backward(dout, q, k, v, out, lse2, causal, sm_scale, grads=None):
+    """dq (B, Hq, T, D) and dk, dv (B, Hkv, S, D) for dout (B, Hq, T, D), written into `grads`,
+    three tensors as _kernel_ready leaves them, or by default into new ones (_empty_grad)."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     dout = _kernel_ready(dout)
     delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    dq, dk, dv = _empty_grad(q), _empty_grad(k), _empty_grad(v)
+    dq, dk, dv = (_empty_grad(q), _empty_grad(k), _empty_grad(v)) if grads is None else grads
     _bwd_preprocess_kernel[(triton.cdiv(T, 64), B * Hq)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3], Hq, T, D=D, BLOCK_M=64)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
@@ -2765,17 +2766,53 @@ def flash_attention(q, k, v, causal=True, sm_scale=None):
     return _flash_attention(q, k, v, causal, sm_scale)[0]
 
 
+def _qkv_heads(qkv, n_head):
+    """q, k, v: the (B, H, T, D) views of a (B, T, 3C) projection, split as the GPT splits it."""
+    B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    return [t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in qkv.split(C, dim=2)]
+
+
+class _FlashQKVFunction(torch.autograd.Function):
+    """Causal flash attention of the GPT's heads, taking their (B, T, 3C) projection whole:
+    forward(qkv, n_head) -> out (B, H, T, D). The backward kernels write dq, dk and dv straight
+    into the thirds of one (B, T, 3C) gradient. Given q, k and v apart, as the split's views,
+    autograd's backward of the split would concatenate their gradients into that tensor: a
+    copy a layer (12 x 37 us of a GPT-2 124M step on the H200)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head):
+        q, k, v = _qkv_heads(qkv, n_head)
+        _check_inputs(q, k, v, True, None)
+        q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+        out, lse2 = _flash_forward(q, k, v, True, q.shape[-1] ** -0.5)
+        ctx.save_for_backward(q, k, v, out, lse2)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse2 = ctx.saved_tensors
+        B, H, T, D = q.shape
+        dqkv = torch.empty(B, T, 3 * H * D, dtype=q.dtype, device=q.device)
+        _flash_backward(dout, q, k, v, out, lse2, True, D ** -0.5, _qkv_heads(dqkv, H))
+        return dqkv, None
+
+
 # The GPT on the kernel (main's --attention flash): one more twin of MultiHeadAttention, swapped
 # in by class as stage 05's use_triton_kernels does, so the model's text stays as it was. (The
 # baseline's twin, SDPAAttention on torch's fused attention, is with --bench's plain_twin.)
 class FlashAttention(MultiHeadAttention):
-    def attend(self, q, k, v):
-        """attend on the flash kernel: q, k, v (B, H, T, D) -> (B, H, T, D). The kernel never
-        forms the attention matrix, so it has nothing to apply dropout to."""
+    def forward(self, x):
+        """MultiHeadAttention.forward with the heads' split and attend done by the flash kernels
+        in one autograd function, which hands c_attn one gradient (see _FlashQKVFunction). The
+        kernel never forms the attention matrix, so it has nothing to apply dropout to."""
         if self.training and self.attn_dropout.p > 0:
             raise ValueError("FlashAttention: the flash kernel has no attention dropout; "
                              "set dropout=0.0 or call model.eval()")
-        return flash_attention(q, k, v, causal=True)
+        B, T, C = x.shape
+        y = _FlashQKVFunction.apply(self.c_attn(x), self.n_head)       # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)               # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
 
 
 def use_attention(model, twin):

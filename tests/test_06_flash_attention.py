@@ -207,8 +207,9 @@ def test_flash_large_scores(fa, case):
 
 
 def test_gpt_layout_views(fa):
-    # the GPT hands the kernel views of one (B, T, 3C) projection: (B, H, T, D) with strides
-    # (3TC, D, 3C, 1), and reads the output back as (B, T, C)
+    # flash_attention on the GPT's views of one (B, T, 3C) projection: (B, H, T, D) with strides
+    # (3TC, D, 3C, 1), the output read back as (B, T, C) (FlashAttention takes the projection
+    # whole: test_flash_attention_hands_back_one_qkv_gradient)
     B, T, H, D = 2, 67, 2, 32
     qkv = torch.randn(B, T, 3 * H * D, device=DEVICE, requires_grad=True)
     q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
@@ -225,6 +226,45 @@ def test_gpt_layout_views(fa):
     grads = fa._flash_backward(dout, q, k, v, out, lse / fa.LN2, True, D ** -0.5)
     assert all(g.transpose(1, 2).is_contiguous() for g in grads)
     assert fa._empty_grad(torch.empty(B, H, T, D)).is_contiguous()  # other layouts: contiguous
+
+
+def test_flash_attention_hands_back_one_qkv_gradient(fa, monkeypatch):
+    # The GPT's FlashAttention takes its (B, T, 3C) projection whole: the backward kernels write
+    # dq, dk, dv into the thirds of one gradient, which reaches c_attn as it is, with no copy
+    # (autograd's backward of the split would concatenate three). It equals bit for bit the one
+    # through flash_attention on the split's views (the same kernels), and the float64 reference.
+    B, T, H, D = 2, 67, 2, 32
+    torch.manual_seed(0)
+    attn = fa.FlashAttention(H * D, H, context_length=T).to(DEVICE)
+    x, dy = torch.randn(2, B, T, H * D, device=DEVICE)
+    qkv_grads, written = [], []  # what c_attn's output receives; the kernels' dq, dk, dv
+    backward = fa._flash_backward
+
+    def keep_qkv_grad(module, inputs, qkv):
+        qkv.register_hook(qkv_grads.append)
+
+    def flash_backward(*args):
+        written.extend(backward(*args))
+        return written[-3:]
+
+    attn.c_attn.register_forward_hook(keep_qkv_grad)
+    monkeypatch.setattr(fa, "_flash_backward", flash_backward)
+    attn(x).backward(dy)
+    [grad] = qkv_grads
+    assert [g.data_ptr() for g in written] == [
+        grad.data_ptr() + i * H * D * grad.element_size() for i in range(3)]
+
+    def attention_then_c_proj(qkv, attention):  # MultiHeadAttention.forward after c_attn
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+        y = attention(q, k, v).transpose(1, 2).reshape(B, T, H * D)  # causal; (B, T, C)
+        return F.linear(y, attn.c_proj.weight.to(qkv.dtype), attn.c_proj.bias.to(qkv.dtype))
+
+    qkv = attn.c_attn(x).detach().requires_grad_()
+    attention_then_c_proj(qkv, fa.flash_attention).backward(dy)
+    assert torch.equal(grad, qkv.grad)
+    qkv64 = qkv.detach().double().requires_grad_()
+    attention_then_c_proj(qkv64, lambda *qkv: fa.naive_attention(*qkv)[0]).backward(dy.double())
+    assert rel_err(grad, qkv64.grad) < F32_TOL
 
 
 @pytest.mark.parametrize("bad, error, match", [
