@@ -361,6 +361,57 @@ def test_matmul_under_autocast_keeps_gradient_dtypes(fa):
         assert rel_err(leaf.grad, ref) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "padded rows", "transposed dy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_backward_sums_the_bias_gradient(fa, layout, dtype):
+    """dh = dy * gelu'(x) and the bias gradient, dh's column sums, from one pass over x and dy
+    (_gelu_backward_with_bias), against float64 torch (the tanh GELU's derivative): 37 x 300 (one
+    row tile, ragged in both directions), 130 x 300 in buffers with padded rows (a matmul's GELU
+    input may be, see _empty_aligned_rows), and a transposed dy. Bounds as stage 05's: 1e-5 in
+    fp32, 1e-2 in bf16 (dh rounded to 8 bits; the sums add the rounded values)."""
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    gen = torch.Generator().manual_seed(0)
+    rows = 37 if layout == "contiguous" else 130
+    x, dy = ((torch.randn(rows, 307, generator=gen) * 2).to(DEVICE, dtype)[:, :300]
+             for _ in range(2))  # rows 307 values apart
+    if layout == "contiguous":
+        x, dy = x.contiguous(), dy.contiguous()
+    if layout == "transposed dy":
+        dy = dy.t().contiguous().t()  # strides (1, 130)
+    x64 = x.double().requires_grad_()
+    F.gelu(x64, approximate="tanh").backward(dy.double())
+    for bias_dtype in (torch.float32, dtype):
+        dh, dbias = fa._gelu_backward_with_bias(x, dy, bias_dtype)
+        assert dh.dtype == dtype and dh.is_contiguous() and dbias.dtype == bias_dtype
+        assert rel_err(dh, x64.grad) < tol, f"dh {rel_err(dh, x64.grad):.2e}"
+        assert rel_err(dbias, x64.grad.sum(0)) < tol, f"dbias {rel_err(dbias, x64.grad.sum(0)):.2e}"
+
+
+def test_matmul_gelu_bias_gradient(fa, monkeypatch):
+    """matmul's GELU epilogue with a bias (rows padded to 16 bytes, 301 fp32 values to 304): every
+    gradient matches float64 torch, the bias's through _gelu_backward_with_bias; without the
+    bias's gradient, through the plain GELU backward."""
+    gen = torch.Generator().manual_seed(0)
+    a, w, bias, dout = (torch.randn(*shape, generator=gen).to(DEVICE)
+                        for shape in ((45, 48), (48, 301), (301,), (45, 301)))
+    calls = []
+    with_bias = fa._gelu_backward_with_bias
+    monkeypatch.setattr(fa, "_gelu_backward_with_bias",
+                        lambda *args: calls.append(1) or with_bias(*args))
+    for bias_grad in (True, False):
+        ours = [a.clone().requires_grad_(), w.clone().requires_grad_(),
+                bias.clone().requires_grad_(bias_grad)]
+        out = fa.matmul(*ours, activation="gelu", pad_rows=True)
+        assert out.stride(0) == 304
+        out.backward(dout)
+        ref = [t.double().requires_grad_() for t in (a, w, bias)]
+        F.gelu(ref[0] @ ref[1] + ref[2], approximate="tanh").backward(dout.double())
+        for o, r in zip(ours, ref):
+            assert (o.grad is None) == (o is ours[2] and not bias_grad)
+            assert o.grad is None or rel_err(o.grad, r.grad) < F32_TOL
+        assert len(calls) == 1  # the first run's
+
+
 @pytest.mark.parametrize("n, r_dtype", [(48, torch.float32), (48, torch.bfloat16),
                                         (1100, torch.float32)])  # 1,100: the unfused path
 def test_add_layer_norm(fa, n, r_dtype):
