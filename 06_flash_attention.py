@@ -1562,7 +1562,7 @@ class _Matmul(torch.autograd.Function):  # changed in 06: autocast's casts here;
         da = db = dbias = None
         a_dtype, b_dtype, bias_dtype = ctx.dtypes
         bias_grad = ctx.has_bias and ctx.needs_input_grad[2]
-        if pre is not None and bias_grad:  # changed in 06: the GELU backward sums dbias too
+        if pre is not None and bias_grad:  # the GELU backward sums the bias gradient as it goes
             dh, dbias = _gelu_backward_with_bias(pre, dout, bias_dtype)
         else:
             dh = dout if pre is None else _gelu_backward(pre, dout)  # (M, N), before the GELU
