@@ -190,10 +190,10 @@ def test_layer_norm_out_dtype(s, gen, n):
 #   norm backward: fused (N <= 8,192; ROWS rows a step, dw and db summed in registers) or streamed
 #     (a row a step, added into the program's row of partials), each with several row blocks a
 #     program and a last program whose run passes the end: test_norm_backward_sums_over_row_blocks
-#   column sum: one pass (<= 512 rows, or rows that one program's group holds), or row groups
+#   column sum: one pass (<= 256 rows, or rows that one program's group holds), or row groups
 #     (several programs a column block, each several BLOCK_M-row steps, the last group short)
-#     and a pass over the groups' sums: test_column_sum; how many groups:
-#     test_column_sum_fills_the_gpu
+#     and a pass over the groups' sums: test_column_sum; how many groups, and the last pass's
+#     tile: test_column_sum_fills_the_gpu
 
 def record_launches(monkeypatch, module, name, run=True):
     """Launch module.<name>, a Triton kernel, as before, recording each launch: a list of
@@ -246,25 +246,33 @@ def test_column_sum(s, gen, rows, n):
         assert rel_err(out, x.double().sum(0)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("rows,n", [(1056, 768), (16384, 768), (16384, 3072), (600, 3), (5000, 3)])
+@pytest.mark.parametrize("rows,n", [(1056, 768), (512, 768), (16384, 768), (16384, 3072), (256, 3072),
+                                    (600, 3), (5000, 3)])
 def test_column_sum_fills_the_gpu(s, gen, monkeypatch, rows, n):
     # On the H200's 132 SMs the first pass has about 4 programs an SM: within a factor of 2 of
     # 4 * 132, or of as many as its BLOCK_M-row steps allow where that is fewer (1,056 rows of a
-    # LayerNorm's partial sums: one step a program). 16,384 rows would take the interpreter
-    # minutes, so their launches are only recorded; the others are summed and checked.
+    # LayerNorm's partial sums: one step a program). The last pass takes at most 2 steps of rows
+    # where they are at most 256 (the partial sums' rows, or a single pass's), 8 otherwise.
+    # 16,384 rows would take the interpreter minutes, so their launches are only recorded; the
+    # others are summed and checked.
     monkeypatch.setattr(s, "_num_sms", lambda device: 132)
     small = rows * n <= 10 ** 6
     launches = record_launches(monkeypatch, s, "_column_sum_kernel", run=small)
     x = randn(gen, rows, n) if small else torch.empty(1, n, device=DEVICE).expand(rows, n)
     out = s._column_sum(x, torch.float32)
-    (grid_n, groups), args = launches[0]
-    block_m = args["BLOCK_M"]
-    target = min(4 * 132, grid_n * ((rows + block_m - 1) // block_m))
-    assert target / 2 <= grid_n * groups <= 2 * target, (grid_n, groups, target)
-    # several groups of whole BLOCK_M-row steps, then a pass over their sums; or a single pass
-    run = args["rows_per_program"]
-    assert (groups - 1) * run < rows <= groups * run and (groups == 1 or run % block_m == 0)
-    assert len(launches) == (1 if groups == 1 else 2)
+    assert len(launches) == 1 if rows <= 256 else len(launches) in (1, 2)
+    if len(launches) == 2:  # several groups of whole BLOCK_M-row steps, then a pass over their sums
+        (grid_n, groups), args = launches[0]
+        block_m = args["BLOCK_M"]
+        target = min(4 * 132, grid_n * ((rows + block_m - 1) // block_m))
+        assert target / 2 <= grid_n * groups <= 2 * target, (grid_n, groups, target)
+        run = args["rows_per_program"]
+        assert (groups - 1) * run < rows <= groups * run and run % block_m == 0
+    (grid_n, one), args = launches[-1]
+    last_rows = groups if len(launches) == 2 else rows
+    assert one == 1 and args["n_rows"] == args["rows_per_program"] == last_rows
+    assert grid_n * args["BLOCK_N"] >= n > (grid_n - 1) * args["BLOCK_N"]
+    assert (last_rows + args["BLOCK_M"] - 1) // args["BLOCK_M"] <= (2 if last_rows <= 256 else 8)
     if small:
         assert rel_err(out, x.double().sum(0)) < TOL[torch.float32]
 
