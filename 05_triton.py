@@ -953,10 +953,9 @@ def _column_sum(x, dtype):
     # The last pass (the only one for at most 256 rows, or what one group holds): a program a
     # column block, its tile as tall as the rows (up to 128) and as narrow as that allows, so
     # that it takes few steps and the programs are many. With 256-column tiles here, GPT-2's bias
-    # gradients (16,384 x 768 bf16: 171 partial rows, 3 programs of 11 steps) took 0.89x the
-    # time of torch's sum, its LayerNorm's (512 x 768 fp32, one pass: 3 programs of 32 steps)
-    # 1.7x (H200); with these tiles 0.62x and 0.60x (H100), and on the H200 the graphed
-    # training step went from 0.91x to 0.95x plain torch.compile's speed.
+    # gradients (171 partial rows of 768) took 3 programs of 11 steps and its LayerNorm's
+    # partials (512 x 768 fp32) 3 of 32: 0.89x and 1.7x the time of torch's sum (H200); with
+    # these tiles 0.62x and 0.60x (H100).
     block_m = min(triton.next_power_of_2(n_rows), 128)
     block_n = min(triton.next_power_of_2(n_cols), max(4096 // block_m, 32))
     out = torch.empty(n_cols, device=x.device, dtype=dtype)

@@ -252,7 +252,8 @@ def test_column_sum_fills_the_gpu(s, gen, monkeypatch, rows, n):
     # On the H200's 132 SMs the first pass has about 4 programs an SM: within a factor of 2 of
     # 4 * 132, or of as many as its BLOCK_M-row steps allow where that is fewer (1,056 rows of a
     # LayerNorm's partial sums: one step a program). The last pass takes at most 2 steps of rows
-    # where they are at most 256 (the partial sums' rows, or a single pass's), 8 otherwise.
+    # where they are at most 256 (the partial sums' rows, or a single pass's); the longer single
+    # passes here (a few columns), at most 8.
     # 16,384 rows would take the interpreter minutes, so their launches are only recorded; the
     # others are summed and checked.
     monkeypatch.setattr(s, "_num_sms", lambda device: 132)
