@@ -1431,22 +1431,19 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     tiles = lambda meta: triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])  # noqa: E731
     a_tma, b_tma, c_tma = _tma_layout(a), _tma_layout(b), _tma_layout(out)
-    programs = 2 if INTERPRET else _num_sms(a.device)
-    split = _split_k(M, N, K, programs)
+    programs = _INTERPRET_PROGRAMS if INTERPRET else _num_sms(a.device)
+    split_tail = _few_tiles_long_k(M, N, K, programs)
     # under the interpreter every product the TMA kernel can take goes to it: that is what the
     # CPU tests are there to check
-    small = not INTERPRET and split == 1 and _few_tiles(M, N, programs)
+    small = not INTERPRET and not split_tail and _few_tiles(M, N, programs)
     if a_tma and b_tma and _use_tma(a) and not small:
         triton.set_allocator(_scratch)
-        # split: the kernel writes fp32 partial tiles to a workspace, and _split_k_sum_kernel
-        # adds them into out
-        c = torch.empty(split, M, N, device=a.device, dtype=torch.float32) if split > 1 else out
-        _matmul_tma_kernel[lambda meta: (min(programs, tiles(meta) * split),)](
-            a, b, c, bias, pre, M, N, K, a_tma[1], b_tma[1], *out.stride(), A_T=a_tma[0], B_T=b_tma[0],
-            C_TMA=c_tma is not None and not c_tma[0], APPLY_GELU=apply_gelu, SPLIT_K=split)
-        if split > 1:
-            _split_k_sum_kernel[(triton.cdiv(M, 64), triton.cdiv(N, 64))](
-                c, out, bias, pre, M, N, *out.stride(), SPLIT_K=split, APPLY_GELU=apply_gelu, BLOCK_M=64, BLOCK_N=64)
+        layout = dict(A_T=a_tma[0], B_T=b_tma[0], C_TMA=c_tma is not None and not c_tma[0], APPLY_GELU=apply_gelu)
+        if split_tail:
+            _mm_split_tail(a, b, out, bias, pre, a_tma[1], b_tma[1], programs, layout)
+        else:
+            _matmul_tma_kernel[lambda meta: (min(programs, tiles(meta)),)](
+                a, b, out, bias, pre, M, N, K, a_tma[1], b_tma[1], *out.stride(), 0, 0, **layout, SPLIT_K=1)
     else:
         _matmul_kernel[lambda meta: (tiles(meta),)](a, b, out, bias, pre, M, N, K, *a.stride(), *b.stride(),
                                                     *out.stride(), APPLY_GELU=apply_gelu, DOT_PRECISION=precision)
@@ -1677,12 +1674,17 @@ def triton_loss_fn(logits, targets):
 # GPUs) and the products too small to fill the SMs (_few_tiles). Rows whose N values are not
 # whole 16-byte units are padded (_empty_aligned_rows) so that their products stay on this kernel.
 #
-# Split-K. A product with a small output and a long K, such as a weight's gradient in training
-# (768 x 3,072 summed over 16,384 tokens), has too few tiles for the SMs: 72 tiles of 128 x 256
-# leave 60 of the 132 SMs idle, and the kernel ran at 0.77x cuBLAS. Cutting K into SPLIT_K parts
-# makes SPLIT_K times as many work items; each writes its fp32 partial tile to a workspace, and
-# a second kernel sums the parts and applies the epilogue (_split_k_sum_kernel). Cut in 3, that
-# gradient runs at 0.82-0.84x.
+# Split-K on the tail. A product with a small output and a long K, such as a weight's gradient in
+# training (3,072 x 768 summed over 16,384 tokens), has too few tiles for the SMs: its 144 tiles of
+# 128 x 128 are a wave of 132 and a wave of 12 (0.66x cuBLAS). Cutting every tile's K in 3 (72 tiles
+# of 256 x 128: 216 items, 1.6 waves run as 2) gave 0.82x. Here the tiles that fill whole waves run
+# whole, and the rest are cut along K into as many parts as fill one more wave (the 12 in 11 parts);
+# each part writes its fp32 partial tile to a workspace, and a second kernel sums each tile's parts
+# in a fixed order and applies the epilogue (_mm_split_tail). That gradient: 0.89x cuBLAS with an
+# fp32 output, 0.96x bf16; 768 x 768 (36 tiles, all cut in 3): 1.05x, against 0.77x cut in 4.
+# (Stream-K, which shares the (tile, k-step) iterations evenly so that a program may start and end
+# inside a tile, needs a flat loop that Triton 3.6 pipelined at 0.6-0.68x the persistent kernel's
+# speed on the same tiles.)
 
 def _tma_configs():
     # persistent programs hold one tile's accumulator and the load ring: 3 stages of 128 x 256
@@ -1721,7 +1723,7 @@ def _store_halves(C, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M: tl.constexpr, 
                  prune_configs_by={"early_config_prune": _prune_tma_configs},
                  do_bench=_bench_in_graph)
 @triton.jit
-def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_cm, stride_cn,
+def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_cm, stride_cn, FIRST_TILE, TILES,
                        A_T: tl.constexpr, B_T: tl.constexpr, C_TMA: tl.constexpr, APPLY_GELU: tl.constexpr,
                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -1729,8 +1731,9 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
     # stride_a, or when A_T its transpose is: (K, M). B likewise: (K, N), or (N, K) when B_T (an
     # nn.Linear weight). C_TMA: C (and PRE) are row-major, so tiles leave by TMA stores too, which
     # drop the rows and columns past the edge themselves. The rest is as for _matmul_kernel.
-    # SPLIT_K > 1: work item i is tile i % tiles over part i // tiles of K, and C is the fp32
-    # workspace (SPLIT_K, M, N) of the partial tiles (no bias, GELU or PRE here).
+    # The programs take the TILES tiles from FIRST_TILE on (TILES 0: all of them). SPLIT_K > 1:
+    # work item i is tile FIRST_TILE + i % TILES over part i // TILES of K, and C is the fp32
+    # workspace (SPLIT_K, TILES, BLOCK_M, BLOCK_N) of the partial tiles (no bias, GELU or PRE here).
     if A_T:
         a_desc = tl.make_tensor_descriptor(A, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
     else:
@@ -1739,12 +1742,12 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
         b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
     else:
         b_desc = tl.make_tensor_descriptor(B, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.where(TILES > 0, TILES, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # steps of BLOCK_K in one part of K
     # flatten: one software pipeline over the (tile, k) pairs, so the next tile's first loads are
     # in flight while this tile finishes
     for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=True):
-        tile = item % num_tiles if SPLIT_K > 1 else item
+        tile = FIRST_TILE + (item % num_tiles if SPLIT_K > 1 else item)
         part = item // num_tiles
         pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -1768,7 +1771,8 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLIT_K > 1:
-            _matmul_epilogue(acc, C + part.to(tl.int64) * M * N, None, None, offs_m, offs_n, M, N, N, 1, False)
+            slot = C + (part * num_tiles + tile - FIRST_TILE).to(tl.int64) * BLOCK_M * BLOCK_N
+            tl.store(slot + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], acc)
         elif C_TMA:
             if BIAS is not None:
                 acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -1782,31 +1786,66 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
 
 
 @triton.jit
-def _split_k_sum_kernel(WS, C, BIAS, PRE, M, N, stride_cm, stride_cn, SPLIT_K: tl.constexpr,
-                        APPLY_GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """C = the sum of the SPLIT_K partial products in WS (SPLIT_K, M, N) fp32, through the
-    epilogue (bias, PRE, GELU), in the fixed order 0, 1, ...: the same result on every run."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+def _split_k_sum_kernel(WS, C, BIAS, PRE, M, N, stride_cm, stride_cn, FIRST_TILE, TILES, SPLIT_K: tl.constexpr,
+                        APPLY_GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUP_M: tl.constexpr, SUB_M: tl.constexpr, SUB_N: tl.constexpr):
+    """Tile FIRST_TILE + program_id(0) of C = the sum of its SPLIT_K partial tiles in WS (see
+    _matmul_tma_kernel), through the epilogue, in the fixed order 0, 1, ...: the same result on
+    every run. One program a (SUB_M, SUB_N) block, so that a few tiles are summed by many programs."""
+    t = tl.program_id(0)
+    rows = tl.program_id(1) // (BLOCK_N // SUB_N) * SUB_M + tl.arange(0, SUB_M)
+    cols = tl.program_id(1) % (BLOCK_N // SUB_N) * SUB_N + tl.arange(0, SUB_N)
+    offs = rows[:, None] * BLOCK_N + cols[None, :]
+    acc = tl.zeros((SUB_M, SUB_N), dtype=tl.float32)
     for part in tl.static_range(SPLIT_K):
-        acc += tl.load(WS + part * M * N + offs, mask=mask, other=0.0)
-    _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU)
+        acc += tl.load(WS + (part * TILES + t).to(tl.int64) * BLOCK_M * BLOCK_N + offs)
+    pid_m, pid_n = _grouped_tile(FIRST_TILE + t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    _matmul_epilogue(acc, C, BIAS, PRE, pid_m * BLOCK_M + rows, pid_n * BLOCK_N + cols, M, N, stride_cm,
+                     stride_cn, APPLY_GELU)
 
 
-def _split_k(M, N, K, programs):
-    """Parts to cut K into: the count that finishes soonest when the items (tiles of 128 x 256,
-    times the parts) run in waves of `programs`, each part at least 2,048 long so that its
-    partial tile costs little beside its products; 1 (no split) when the tiles fill the SMs."""
-    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 256)
-    if tiles >= programs:
-        # a wave count a few percent better is not worth writing and reading back fp32 partials
-        # of the whole output: 8192^3 cut in 3 ran at 0.80x cuBLAS, uncut at 1.00x
-        return 1
-    parts = range(1, min(4, K // 2048) + 1)
-    return min(parts, key=lambda p: (triton.cdiv(tiles * p, programs) / p, p), default=1)
+def _few_tiles_long_k(M, N, K, programs):
+    """Whether the product takes the split tail (_mm_split_tail): fewer 128 x 256 tiles of the
+    output than SMs, and a K long enough (4,096) that its parts are worth their partial tiles."""
+    return triton.cdiv(M, 128) * triton.cdiv(N, 256) < programs and K >= 4096
+
+
+def _split_tail_plan(M, N, K, programs, block_m, block_n, block_k):
+    """(tiles run whole, tiles left, parts of K to cut those into): the tiles that fill whole waves
+    of `programs` run whole; the rest are cut into as many parts as fill one more wave, each at
+    least 8 steps of K long. Where that is one part, all run whole."""
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    whole = tiles // programs * programs
+    left = tiles - whole
+    split = min(programs // left, triton.cdiv(K, block_k) // 8) if left else 1
+    return (whole, left, split) if split > 1 else (tiles, 0, 1)
+
+
+def _mm_split_tail(a, b, out, bias, pre, stride_a, stride_b, programs, layout):
+    (M, K), N = a.shape, b.shape[1]
+    tile = _SPLIT_TILE_INTERPRET if INTERPRET else _SPLIT_TILE  # one tile size for both launches
+    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
+    whole, left, split = _split_tail_plan(M, N, K, programs, bm, bn, tile["BLOCK_K"])
+    kernel = _matmul_tma_kernel.fn  # the kernel under the autotuner, launched with `tile`
+    if whole:
+        kernel[(programs,)](a, b, out, bias, pre, M, N, K, stride_a, stride_b, *out.stride(), 0, whole,
+                            **layout, SPLIT_K=1, **tile)
+    if left:
+        parts = torch.empty(split, left, bm, bn, device=a.device, dtype=torch.float32)
+        kernel[(min(programs, left * split),)](a, b, parts, None, None, M, N, K, stride_a, stride_b,
+                                               *out.stride(), whole, left, **layout, SPLIT_K=split, **tile)
+        sub_m, sub_n = min(bm, 32), min(bn, 64)
+        _split_k_sum_kernel[(left, (bm // sub_m) * (bn // sub_n))](
+            parts, out, bias, pre, M, N, *out.stride(), whole, left, SPLIT_K=split,
+            APPLY_GELU=layout["APPLY_GELU"], BLOCK_M=bm, BLOCK_N=bn, GROUP_M=tile["GROUP_M"], SUB_M=sub_m,
+            SUB_N=sub_n)
+
+
+# the autotuner's choice for these products at 16,384 tokens (and, pinned, 1.00x cuBLAS on a
+# 132-tile product)
+_SPLIT_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_stages": 5, "num_warps": 4}
+_SPLIT_TILE_INTERPRET = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
+_INTERPRET_PROGRAMS = 2  # persistent programs under the interpreter (some tests set 3)
 
 
 def _few_tiles(M, N, programs):
@@ -1959,7 +1998,7 @@ _MATMUL_SHAPES = [((n, n, n), "nn", False) for n in (1024, 2048, 4096, 8192)] + 
     ((16384, 3072, 768), "nt", True),   # GPT-2's MLP up-projection at 16,384 tokens: x @ W.t()
     ((16384, 768, 3072), "nt", False),  # its down-projection,
     ((16384, 3072, 768), "nn", False),  # the down-projection's input gradient: dy @ W,
-    ((3072, 768, 16384), "tn", False),  # and its weight gradient: dy.t() @ x (split-K)
+    ((3072, 768, 16384), "tn", False),  # and its weight gradient: dy.t() @ x (split tail)
 ]
 
 

@@ -399,27 +399,36 @@ def test_matmul_tma_layouts(s, gen, a_t, b_t):
                 [a, b, bias], TOL[torch.bfloat16], gen)
 
 
-@pytest.mark.parametrize("m,k,n", [(24, 4096, 40), (4096, 24, 40)])
-def test_matmul_split_k(s, gen, m, k, n):
-    # K = 4,096 over few tiles: the forward (first case) or the weight's gradient a.t() @ dout
-    # (second) cuts K in two, sums the fp32 parts in the second kernel and applies its epilogue
-    assert s._split_k(24, 40, 4096, 2) == 2 and s._split_k(4096, 40, 24, 2) == 1
-    a, b = tma_operands(s, gen, m, k, n, False, False, torch.bfloat16)
+@pytest.mark.parametrize("programs,m,k,n,plan", [
+    (2, 40, 4096, 24, (2, 1, 2)),  # 3 tiles of 16 x 32: 2 run whole, the third cut in two
+    (3, 80, 4096, 32, (5, 0, 1)),  # 5 tiles: 2 left for 3 programs are not worth cutting
+    (3, 16, 4096, 32, (0, 1, 3)),  # 1 tile, cut in three
+    (3, 64, 4096, 32, (3, 1, 3)),  # 4 tiles: 3 whole, the fourth cut in three
+    (2, 40, 4100, 24, (2, 1, 2)),  # K not a multiple of the 32-wide k-step: the last step reads zeros
+])
+def test_matmul_split_tail(s, gen, monkeypatch, programs, m, k, n, plan):
+    # the forward through the whole tiles, the cut ones and the sum (the backward's products have a
+    # short K and take the autotuned kernel), against float64
+    monkeypatch.setattr(s, "_INTERPRET_PROGRAMS", programs)
+    assert s._few_tiles_long_k(m, n, k, programs)
+    tile = s._SPLIT_TILE_INTERPRET
+    assert s._split_tail_plan(m, n, k, programs, tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]) == plan
+    a, b = tma_operands(s, gen, m, k, n, True, False, torch.bfloat16)
     bias = randn(gen, n, dtype=torch.bfloat16)
     check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
                 [a, b, bias], TOL[torch.bfloat16], gen)
 
 
-def test_split_k_counts(s):
-    # parts of K that finish soonest on 132 SMs, for GPT-2 124M's training products at 16,384
-    # tokens (weight gradients: 768 x N summed over the tokens) and for square ones
-    assert s._split_k(768, 3072, 16384, 132) == 3  # 72 tiles: 216 items in 2 waves of 1/3
-    assert s._split_k(768, 2304, 16384, 132) == 2  # 54 tiles: 108 items in one wave
-    assert s._split_k(768, 768, 16384, 132) == 4   # 18 tiles
-    assert s._split_k(4096, 4096, 4096, 132) == 1  # 512 tiles fill the SMs
-    assert s._split_k(8192, 8192, 8192, 132) == 1  # 2,048 tiles: 3 parts would pack waves 2% better
-    assert s._split_k(1024, 1024, 1024, 132) == 1  # parts would be shorter than 2,048
-    assert s._split_k(16384, 768, 3072, 132) == 1
+def test_split_tail_plans(s):
+    # GPT-2 124M's weight gradients at 16,384 tokens (768 x N summed over the tokens) on 132 SMs
+    assert s._few_tiles_long_k(768, 3072, 16384, 132) and s._few_tiles_long_k(768, 768, 16384, 132)
+    assert not s._few_tiles_long_k(16384, 768, 3072, 132)  # 384 tiles of 128 x 256
+    assert not s._few_tiles_long_k(4096, 4096, 4096, 132) and not s._few_tiles_long_k(1024, 1024, 1024, 132)
+    # 144 tiles of 128 x 128: 132 whole, and the 12 left cut in 11 (one more wave of 132)
+    assert s._split_tail_plan(3072, 768, 16384, 132, 128, 128, 64) == (132, 12, 11)
+    assert s._split_tail_plan(768, 768, 16384, 132, 128, 128, 64) == (0, 36, 3)
+    assert s._split_tail_plan(1536, 1408, 16384, 132, 128, 128, 64) == (132, 0, 1)  # whole waves
+    assert s._split_tail_plan(128, 128, 1024, 132, 128, 128, 64) == (0, 1, 2)  # parts of 8 steps at least
 
 
 def test_small_products_take_the_pointer_kernel(s):
@@ -772,15 +781,22 @@ def test_matmul_tma_gpu(s, gen, a_t, b_t):
 
 
 @pytest.mark.gpu
-def test_matmul_split_k_gpu(s, gen):
+def test_matmul_split_tail_gpu(s, gen):
     # a weight's gradient in GPT-2 124M's training, dy.t() @ x: (3,072 x 16,384) @ (16,384 x 768),
-    # 72 tiles of 128 x 256 on 132 SMs, so K is cut in 3; with the fused epilogue, and backward
+    # 144 tiles of 128 x 128 on 132 SMs: 132 run whole, 12 are cut in K. With the fused epilogue,
+    # backward, and the same bits on a second run (the parts are summed in a fixed order)
     dy = randn(gen, 16384, 3072, dtype=torch.bfloat16)
     x = randn(gen, 16384, 768, dtype=torch.bfloat16, scale=16384 ** -0.5)
-    assert s._split_k(3072, 768, 16384, s._num_sms(dy.device)) == 3
+    assert s._few_tiles_long_k(3072, 768, 16384, s._num_sms(dy.device))
     bias = randn(gen, 768, dtype=torch.bfloat16)
     check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
                 [dy.t(), x, bias], TOL[torch.bfloat16], gen)
+    # a weight's gradient is written in its dtype; 768 x 768 has 36 tiles, none whole, cut in 3
+    for a, out_dtype in ((dy.t(), torch.float32), (dy.t(), torch.bfloat16), (dy[:, :768].t(), torch.float32)):
+        first, second = (s._mm(a, x, torch.empty(a.shape[0], 768, device=dy.device, dtype=out_dtype))
+                         for _ in range(2))
+        assert torch.equal(first, second)
+        assert rel_err(first, a.double() @ x.double()) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
