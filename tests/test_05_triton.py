@@ -404,6 +404,7 @@ def test_matmul_tma_layouts(s, gen, a_t, b_t):
     (3, 80, 4096, 32, (5, 0, 1)),  # 5 tiles: 2 left for 3 programs are not worth cutting
     (3, 16, 4096, 32, (0, 1, 3)),  # 1 tile, cut in three
     (3, 64, 4096, 32, (3, 1, 3)),  # 4 tiles: 3 whole, the fourth cut in three
+    (4, 48, 4096, 64, (4, 2, 2)),  # 6 tiles: 4 whole, two cut in two (summed by tile)
     (2, 40, 4100, 24, (2, 1, 2)),  # K not a multiple of the 32-wide k-step: the last step reads zeros
 ])
 def test_matmul_split_tail(s, gen, monkeypatch, programs, m, k, n, plan):
