@@ -399,22 +399,23 @@ def test_matmul_tma_layouts(s, gen, a_t, b_t):
                 [a, b, bias], TOL[torch.bfloat16], gen)
 
 
-@pytest.mark.parametrize("programs,m,k,n,plan", [
-    (2, 40, 4096, 24, (2, 1, 2)),  # 3 tiles of 16 x 32: 2 run whole, the third cut in two
-    (3, 80, 4096, 32, (5, 0, 1)),  # 5 tiles: 2 left for 3 programs are not worth cutting
-    (3, 16, 4096, 32, (0, 1, 3)),  # 1 tile, cut in three
-    (3, 64, 4096, 32, (3, 1, 3)),  # 4 tiles: 3 whole, the fourth cut in three
-    (4, 48, 4096, 64, (4, 2, 2)),  # 6 tiles: 4 whole, two cut in two (summed by tile)
-    (2, 40, 4100, 24, (2, 1, 2)),  # K not a multiple of the 32-wide k-step: the last step reads zeros
+@pytest.mark.parametrize("programs,m,k,n,a_t,plan", [
+    (2, 40, 4096, 24, True, (2, 1, 2)),  # 3 tiles of 16 x 32: 2 run whole, the third cut in two
+    (2, 40, 4096, 24, False, (2, 1, 2)),  # the same with a row-major (a forward's input)
+    (3, 80, 4096, 32, True, (5, 0, 1)),  # 5 tiles: 2 left for 3 programs are not worth cutting
+    (3, 16, 4096, 32, True, (0, 1, 3)),  # 1 tile, cut in three
+    (3, 64, 4096, 32, True, (3, 1, 3)),  # 4 tiles: 3 whole, the fourth cut in three
+    (4, 48, 4096, 64, True, (4, 2, 2)),  # 6 tiles: 4 whole, two cut in two (summed by tile)
+    (2, 40, 4100, 24, True, (2, 1, 2)),  # K not a multiple of the 32-wide k-step: the last reads zeros
 ])
-def test_matmul_split_tail(s, gen, monkeypatch, programs, m, k, n, plan):
+def test_matmul_split_tail(s, gen, monkeypatch, programs, m, k, n, a_t, plan):
     # the forward through the whole tiles, the cut ones and the sum (the backward's products have a
     # short K and take the autotuned kernel), against float64
     monkeypatch.setattr(s, "_INTERPRET_PROGRAMS", programs)
     assert s._few_tiles_long_k(m, n, k, programs)
     tile = s._SPLIT_TILE_INTERPRET
     assert s._split_tail_plan(m, n, k, programs, tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]) == plan
-    a, b = tma_operands(s, gen, m, k, n, True, False, torch.bfloat16)
+    a, b = tma_operands(s, gen, m, k, n, a_t, False, torch.bfloat16)
     bias = randn(gen, n, dtype=torch.bfloat16)
     check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
                 [a, b, bias], TOL[torch.bfloat16], gen)
