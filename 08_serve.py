@@ -6897,9 +6897,15 @@ def random_model(cfg, device, dtype, seed=0):
 # measured once more at the highest concurrency with the arrivals spread out (send_requests),
 # and then again with prefill_first off, in the same engine, to show what it buys.
 #
-# The clients run in a process of their own, as vLLM's do: threads of the server's process would
-# take the interpreter lock (the GIL) from the server for every chunk they parse. (Measured on the
-# H200 at concurrency 64: 22% of the engine's tokens/s with the clients in the server's process.)
+# The clients run in processes of their own: threads of the server's process would take the
+# interpreter lock (the GIL) from the server for every chunk they parse (measured on the H200 at
+# concurrency 64: 22% of the engine's tokens/s with the clients in the server's process). And not
+# all in one process: 64 client threads there wait for each other's lock, and a first chunk is
+# timed when its thread gets the lock, not when it arrives (TTFT p90 at concurrency 64 with
+# arrivals spread, H200: 8.8-8.9 ms from 8 processes, 9.2-9.9 ms from one).
+
+CLIENT_PROCESSES = 8
+
 
 def percentile(values, q):
     """The q-th percentile (q in 0..100) by linear interpolation between the two nearest ranks,
@@ -6970,13 +6976,14 @@ def stream_completion(port, body, timeout):
     return first - start, end - first, usage["completion_tokens"]
 
 
-def send_requests(port, bodies, concurrency, timeout, spread=0.0):
+def send_requests(port, bodies, concurrency, timeout, spread=0.0, clients=None):
     """(wall seconds, [stream_completion's result a request]) of sending the bodies from
     `concurrency` clients, each on a thread, each sending its next request when its last one
     ends: client i sends bodies i, i + concurrency, ... Client i starts i * spread / concurrency
     seconds in. spread = 0: the first `concurrency` requests arrive at once (vLLM's
     --max-concurrency with every request ready at the start); spread = one request's duration:
-    arrivals evenly spread, as when requests of many clients come and go."""
+    arrivals evenly spread, as when requests of many clients come and go. clients: the client
+    numbers this call runs (default all of them); the results of the others' bodies are None."""
     results = [None] * len(bodies)
 
     def client(i):
@@ -6984,17 +6991,19 @@ def send_requests(port, bodies, concurrency, timeout, spread=0.0):
         for j in range(i, len(bodies), concurrency):
             results[j] = stream_completion(port, bodies[j], timeout)
 
+    clients = range(concurrency) if clients is None else clients
     start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(client, range(concurrency)))  # (list: a client's exception raises here)
+    with ThreadPoolExecutor(len(clients)) as pool:
+        list(pool.map(client, clients))  # (list: a client's exception raises here)
     return time.perf_counter() - start, results
 
 
 def serve_requests(server, prompts, concurrency, output_len, temperature, timeout=120.0,
-                   clients=None, spread=0.0):
+                   clients=None, processes=1, spread=0.0):
     """Send each prompt (token ids) to the server as a streaming completion, from `concurrency`
     clients (send_requests, with its spread), from this process or, given an executor `clients`,
-    from its process. Returns the wall seconds and, per request, (TTFT, TPOT) in seconds."""
+    from `processes` of its processes, client i in process i % processes. Returns the wall
+    seconds (the longest of the processes') and, per request, (TTFT, TPOT) in seconds."""
     bodies = [json.dumps({"model": server.model_name, "prompt": prompt, "max_tokens": output_len,
                           "ignore_eos": True, "temperature": temperature, "stream": True,
                           "stream_options": {"include_usage": True}}).encode()
@@ -7003,7 +7012,13 @@ def serve_requests(server, prompts, concurrency, output_len, temperature, timeou
     if clients is None:
         seconds, results = send_requests(*args)
     else:
-        seconds, results = clients.submit(send_requests, *args).result()
+        parts = [clients.submit(send_requests, *args, range(p, concurrency, processes))
+                 for p in range(min(processes, concurrency))]
+        seconds, results = 0.0, [None] * len(bodies)
+        for part in parts:
+            part_seconds, part_results = part.result()
+            seconds = max(seconds, part_seconds)
+            results = [r if r is not None else mine for r, mine in zip(results, part_results)]
     wrong = [n for _, _, n in results if n != output_len]
     if wrong:  # ignore_eos: every request runs to max_tokens, or the rates below mean nothing
         raise RuntimeError(f"{len(wrong)} requests reported {wrong[0]} output tokens, not "
@@ -7086,10 +7101,10 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
               max_model_len=prompt_len + output_len, prefill_first=prefill_first)
     params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     # At least two waves of c requests at each concurrency, so that requests also arrive while
-    # others decode (the second wave joins as the first ends), and at least 16, so that c = 1's
+    # others decode (the second wave joins as the first ends), and at least 32, so that c = 1's
     # percentiles rest on more than a few samples. Each level has its own prompts (seed c), the
     # warm-up others (seed 0): random prompts share no prefix-cache block.
-    prompts = {c: random_prompts(cfg.vocab_size, [prompt_len] * max(2 * c, 16), seed=c)
+    prompts = {c: random_prompts(cfg.vocab_size, [prompt_len] * max(2 * c, 32), seed=c)
                for c in concurrency}
     top, low = max(concurrency), min(concurrency)
     warm_up = random_prompts(cfg.vocab_size, [prompt_len] * top, seed=0)
@@ -7109,18 +7124,20 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
     llm.engine.block_manager.reset_prefix_cache()  # the server must not find these prompts
     server = serve(llm, port=0, stream_interval=stream_interval)
     # spawn, not fork: a forked child of a process with CUDA and running threads may hang
-    clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    clients = ProcessPoolExecutor(CLIENT_PROCESSES, mp_context=multiprocessing.get_context("spawn"))
+    processes = dict(clients=clients, processes=CLIENT_PROCESSES)
     results = {}
     try:
         if not server.wait_ready(timeout=60):
             raise RuntimeError("the server did not become ready in 60 s")
-        serve_requests(server, warm_up, top, 16, temperature, clients=clients)  # the HTTP path
+        # the HTTP path, and the client processes started (spawning each imports this file)
+        serve_requests(server, warm_up, top, 16, temperature, **processes)
         print(f"  {'concurrency':>11} {'requests':>8} {'output tok/s':>12} {'engine':>8} "
               f"{'ratio':>6} {'TTFT p50':>9} {'p99 ms':>7} {'engine':>7} {'TPOT p50':>9} "
               f"{'p99 ms':>7}")
         for c in concurrency:
             seconds, timings = serve_requests(server, prompts[c], c, output_len, temperature,
-                                              clients=clients)
+                                              **processes)
             rate, (engine_rate, engine_ttft) = len(timings) * output_len / seconds, offline[c]
             results[c] = r = dict(requests=len(timings), seconds=seconds, output_tok_s=rate,
                                   offline_tok_s=engine_rate, offline_ttft_ms=1e3 * engine_ttft,
@@ -7132,23 +7149,25 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
         # The same concurrency with arrivals spread over one request's duration (send_requests):
         # a request then arrives while the others decode, as in a server's steady state, rather
         # than with top - 1 other prompts to prefill first. Each client's first request, sent
-        # while the others are still starting, is left out.
+        # while the others are still starting, is left out. Eight requests a client, so that
+        # at top = 64 the p99 of the 448 measured rests on their 5 worst, not on 2 (it still
+        # moves by several ms between runs).
         duration = results[top]["seconds"] * top / results[top]["requests"]
-        steady = random_prompts(cfg.vocab_size, [prompt_len] * (4 * top), seed=1 << 20)
+        steady = random_prompts(cfg.vocab_size, [prompt_len] * (8 * top), seed=1 << 20)
         seconds, timings = serve_requests(server, steady, top, output_len, temperature,
-                                          clients=clients, spread=duration)
-        results["steady"] = r = dict(requests=3 * top, **latencies(timings[top:]))
+                                          **processes, spread=duration)
+        results["steady"] = r = dict(requests=7 * top, **latencies(timings[top:]))
         print(f"  {top:>11} {r['requests']:>8} {'arrivals spread over a request':>28} "
               f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} {'':>7} "
               f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f}", flush=True)
         if prefill_first:  # what it buys: the same once more, prompts packed beside the decodes
             server.wait_idle()
             llm.engine.scheduler.prefill_first = False  # (read by the engine thread each step)
-            steady = random_prompts(cfg.vocab_size, [prompt_len] * (4 * top), seed=1 << 21)
+            steady = random_prompts(cfg.vocab_size, [prompt_len] * (8 * top), seed=1 << 21)
             seconds, timings = serve_requests(server, steady, top, output_len, temperature,
-                                              clients=clients, spread=duration)
+                                              **processes, spread=duration)
             llm.engine.scheduler.prefill_first = True
-            results["steady_mixed"] = r = dict(requests=3 * top, **latencies(timings[top:]))
+            results["steady_mixed"] = r = dict(requests=7 * top, **latencies(timings[top:]))
             print(f"  {top:>11} {r['requests']:>8} {'same, prompts beside decodes':>28} "
                   f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} {'':>7} "
                   f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f}", flush=True)

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 import pytest
@@ -1518,18 +1519,23 @@ def test_sse_data_reads_events_cut_anywhere(q8):
         assert list(q8.sse_data(chunks)) == expected, cuts
 
 
-def test_serve_requests_times_every_stream(q8):
+@pytest.mark.parametrize("parts", [0, 2])
+def test_serve_requests_times_every_stream(q8, parts):
     """The bench's client side against a CPU server (a tiny random model, the bench's
     tokenizer, so that every token writes text): a TTFT and a TPOT for every request, each
     request's output length checked, and with spread = 0.6 s the third of three clients starts
-    0.4 s in. The latencies must agree with the wall time they add up to."""
+    0.4 s in. The latencies must agree with the wall time they add up to. parts = 2: the clients
+    split over two workers of an executor (threads here; the bench's are processes, which could
+    not import this test's module), clients 0 and 2 in one, 1 in the other, and put together."""
     cfg = q8.Qwen3Config.tiny()
     llm = q8.LLM(q8.random_model(cfg, torch.device("cpu"), torch.float32), max_model_len=64,
                  tokenizer=q8.bench_tokenizer(cfg.vocab_size))
     server = q8.serve(llm)
+    pool = ThreadPoolExecutor(parts) if parts else None
     try:
         prompts = q8.random_prompts(cfg.vocab_size, [8] * 6, seed=0)
-        seconds, timings = q8.serve_requests(server, prompts, 3, 6, 0.6, spread=0.6)
+        split = dict(clients=pool, processes=parts) if parts else {}
+        seconds, timings = q8.serve_requests(server, prompts, 3, 6, 0.6, spread=0.6, **split)
         assert len(timings) == 6 and all(ttft > 0 and tpot > 0 for ttft, tpot in timings)
         assert seconds >= 0.4
         # each client's two requests run one after the other, within the wall time
@@ -1537,6 +1543,21 @@ def test_serve_requests_times_every_stream(q8):
                    <= seconds for i in range(3))
     finally:
         server.shutdown()
+        if pool is not None:
+            pool.shutdown()
+
+
+def test_send_requests_runs_only_its_clients(q8, monkeypatch):
+    """send_requests with `clients`: client i sends bodies i, i + concurrency, ... for the
+    clients named only, each at its own start time, and leaves the other bodies' results None
+    (serve_requests puts the parts together from them)."""
+    sent = []
+    monkeypatch.setattr(q8, "stream_completion",
+                        lambda port, body, timeout: sent.append(body) or (0.1, 0.2, 3))
+    seconds, results = q8.send_requests(0, list(range(7)), 3, 1.0, spread=0.3, clients=[0, 2])
+    assert sorted(sent) == [0, 2, 3, 5, 6]
+    assert [r is None for r in results] == [False, True, False, False, True, False, False]
+    assert seconds >= 0.2  # client 2 starts 2 * 0.3 / 3 s in
 
 
 BAD_FLAGS = [
