@@ -2342,19 +2342,9 @@ def _config(block_m, block_n, warps, stages, head_dims=(32, 64, 128), warp_speci
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     if warp_specialize:
         meta["WARP_SPECIALIZE"] = True
-    config = triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_tile_rows)
+    config = triton.Config(meta, num_warps=warps, num_stages=stages)
     config.head_dims = head_dims
     return config
-
-
-def _tile_rows(args):
-    """The configurations' pre_hook, run before each launch: a descriptor (_desc) carries its
-    tile's shape, and the kernel is compiled for it. Those of keys and values and their
-    gradients take BLOCK_N rows a tile, those of queries and outputs BLOCK_M."""
-    for name, value in args.items():
-        if isinstance(value, TensorDescriptor):
-            key_side = name in ("k_desc", "v_desc", "dk_desc", "dv_desc")
-            value.block_shape[2] = args["BLOCK_N" if key_side else "BLOCK_M"]
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -2364,10 +2354,8 @@ def _prune_configs(configs, named_args, **kwargs):
     one_loop = not kwargs["CAUSAL"] and kwargs.get("EVEN_S", False)
     kept = [c for c in configs if kwargs["D"] in c.head_dims
             and (one_loop or not c.kwargs.get("WARP_SPECIALIZE", False))]
-    if named_args:  # the forward takes q itself, the backward its descriptor
-        q = named_args["Q"] if "Q" in named_args else named_args["q_desc"].base
-        if q.dtype == torch.float32:
-            kept = kept[:1]
+    if kwargs.get("DOT_PRECISION") == "tf32x3":  # float32 inputs (_dot_precision)
+        kept = kept[:1]
     return kept
 
 
@@ -2413,6 +2401,20 @@ if INTERPRET:
     _FWD_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS)]
     _DKDV_CONFIGS = [_config(16, 32, 4, 1, HEAD_DIMS)]
     _DQ_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS)]
+
+
+def _tile_rows(args):
+    """The backward's configurations' pre_hook, run before each launch: a descriptor (_desc)
+    carries its tile's shape, and the kernel is compiled for it. Those of keys and values and
+    their gradients take BLOCK_N rows a tile, those of queries and dO BLOCK_M."""
+    for name, value in args.items():
+        if isinstance(value, TensorDescriptor):
+            key_side = name in ("k_desc", "v_desc", "dk_desc", "dv_desc")
+            value.block_shape[2] = args["BLOCK_N" if key_side else "BLOCK_M"]
+
+
+for _c in _DKDV_CONFIGS + _DQ_CONFIGS:
+    _c.pre_hook = _tile_rows
 
 
 @triton.jit
@@ -2467,19 +2469,17 @@ def _query_block_program(Hq, GROUP, CAUSAL: tl.constexpr):
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
     return pid_m, pid_bh, b, h, h // GROUP
 
 
 @triton.jit
 def _head_desc(base, b, h, stride_b, stride_h, rows, stride_row, D: tl.constexpr,
                BLOCK: tl.constexpr):
-    """Tensor descriptor of head h of batch b, a (rows, D) matrix read BLOCK rows at a time,
-    built in the kernel (the forward's, see above)."""
-    start = base + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    return tl.make_tensor_descriptor(start, shape=[rows, D], strides=[stride_row, 1],
-                                     block_shape=[BLOCK, D])
+    """Tensor descriptor of head h of batch b, a (rows, D) matrix read BLOCK rows at a time."""
+    return tl.make_tensor_descriptor(base + b * stride_b + h * stride_h, shape=[rows, D],
+                                     strides=[stride_row, 1], block_shape=[BLOCK, D])
 
 
 @triton.jit
@@ -2670,6 +2670,7 @@ def _flash_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, dq_desc, 
     Descriptors of q, dO, dQ (B, Hq, T, D), in tiles of BLOCK_M rows, and of k, v (B, Hkv, S,
     D), of BLOCK_N."""
     pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
+    b, h, kvh = b.to(tl.int32), h.to(tl.int32), kvh.to(tl.int32)  # a descriptor's coordinates
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([b, h, start_m, 0]).reshape([BLOCK_M, D])
@@ -2757,7 +2758,7 @@ def _launch(kernel, grid, *args, **meta):
     try:
         kernel[grid](*args, **meta)
     except triton.runtime.errors.OutOfResources as err:
-        dtype = (args[0].base if isinstance(args[0], TensorDescriptor) else args[0]).dtype
+        dtype = getattr(args[0], "base", args[0]).dtype  # a tensor, or a TensorDescriptor's
         raise ValueError(f"flash_attention: D={meta['D']} does not fit this GPU's shared memory "
                          f"in {dtype} ({err}); use a smaller head size or bf16/fp16") from err
 

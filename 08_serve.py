@@ -1187,7 +1187,7 @@ def _prune_configs(configs, named_args, **kwargs):
     one_loop = not kwargs["CAUSAL"] and kwargs.get("EVEN_S", False)
     kept = [c for c in configs if kwargs["D"] in c.head_dims
             and (one_loop or not c.kwargs.get("WARP_SPECIALIZE", False))]
-    if named_args and named_args["Q"].dtype == torch.float32:
+    if kwargs.get("DOT_PRECISION") == "tf32x3":  # float32 inputs (_dot_precision)
         kept = kept[:1]
     return kept
 
@@ -1414,9 +1414,9 @@ def _launch(kernel, grid, *args, **meta):
     try:
         kernel[grid](*args, **meta)
     except triton.runtime.errors.OutOfResources as err:
+        dtype = getattr(args[0], "base", args[0]).dtype  # a tensor, or a TensorDescriptor's
         raise ValueError(f"flash_attention: D={meta['D']} does not fit this GPU's shared memory "
-                         f"in {args[0].dtype} ({err}); use a smaller head size or bf16/fp16"
-                         ) from err
+                         f"in {dtype} ({err}); use a smaller head size or bf16/fp16") from err
 
 
 def _flash_forward(q, k, v, causal, sm_scale):
