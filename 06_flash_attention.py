@@ -2683,7 +2683,8 @@ def _flash_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, dq_desc, 
                       qk_scale, D, BLOCK_N, CAUSAL, False, DOT_PRECISION)
     dq = _bwd_dq_loop(dq, q, do, lse2, delta, k_desc, v_desc, b, kvh, full, hi, offs_m, T, S,
                       qk_scale, D, BLOCK_N, CAUSAL, True, DOT_PRECISION)
-    dq_desc.store([b, h, start_m, 0], (dq * sm_scale).to(dq_desc.dtype).reshape([1, 1, BLOCK_M, D]))
+    dq = (dq * sm_scale).to(dq_desc.dtype).reshape([1, 1, BLOCK_M, D])
+    dq_desc.store([b, h, start_m, 0], dq)
 
 
 # Python wrappers: check, allocate, launch.

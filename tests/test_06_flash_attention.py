@@ -145,6 +145,17 @@ def test_warp_specialized_tile_only_on_the_one_loop_path(fa, monkeypatch):
         check_against_reference(fa, 1, 2, 1, T, S, 32, causal, torch.float32, F32_TOL, F32_TOL)
 
 
+def test_float32_inputs_take_one_configuration(fa):
+    # float32 inputs are for checking, and each of their compiles takes seconds: every flash
+    # kernel gets DOT_PRECISION, "tf32x3" for them only, and the pruning keeps their first tile
+    tiles = [fa._config(64, 64, 4, 2), fa._config(128, 64, 4, 3)]
+    assert fa._dot_precision(torch.float32) == "tf32x3"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert fa._dot_precision(dtype) != "tf32x3"
+    for precision, kept in (("tf32x3", tiles[:1]), ("tf32", tiles)):
+        assert fa._prune_configs(tiles, None, D=64, CAUSAL=True, DOT_PRECISION=precision) == kept
+
+
 def test_fully_masked_rows_give_zero_and_no_nan(fa):
     # causal with T > S: the first T - S queries see no key
     T, S = 67, 17
