@@ -2310,11 +2310,13 @@ def tiled_attention_torch(q, k, v, causal=True, sm_scale=None, block_n=64):
 # (b, h, row, 0). Built in the kernel instead, each program writes its own to global memory and
 # fences before its first load: at the GPT's shape (B=16, H=12, T=1,024, D=64, causal) on the
 # H200 the backward took 377 us that way, 305 us with the host's. The forward still builds its
-# own (_head_desc): Triton 3.6 cannot warp-specialize a kernel that reshapes its output tile to
-# a 4-D descriptor's (1, 1, rows, D), and the forward's D=128 tile is warp-specialized. The
-# kernels are autotuned per head size, mask, dtype and sequence-length bucket (the next power of
-# two, 128 to 16384), not per exact length: generation, whose length grows by one each step,
-# then tunes a handful of times, not each step.
+# own (_head_desc), for its warp-specialized D=128 tile: Triton 3.6 splits that tile's query
+# block between two consumer warpgroups and re-tiles a descriptor built in the kernel to the
+# half, but not a host-built one, whose whole-block copies then overrun their barriers and hang
+# the kernel (seen on the H200); nor does it compile the reshape of the output tile to a 4-D
+# descriptor's (1, 1, rows, D). The kernels are autotuned per head size, mask, dtype and
+# sequence-length bucket (the next power of two, 128 to 16384), not per exact length:
+# generation, whose length grows by one each step, then tunes a handful of times, not each step.
 
 
 def _seq_bucket(n):
