@@ -103,6 +103,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402  (after the interpreter switch)
 import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -1145,9 +1146,13 @@ def _expand_kv(q, k, v):
 
 # Triton kernels. Every tile moves through a tensor descriptor: on Hopper the copy engine (TMA)
 # fetches it into shared memory, where the tensor cores read it, and rows past the end of T or S
-# come back as zeros, so no load needs a mask. The kernel is autotuned per head size, mask,
-# dtype and sequence-length bucket (the next power of two, 128 to 16384), not per exact length:
-# prompts of every length then tune a handful of times, not once each.
+# come back as zeros, so no load needs a mask. The descriptors are built on the host, once a
+# launch, over the whole (B, H, T, D) tensor (_desc): a program names its tile by (b, h, row, 0),
+# with no descriptor of its own to write to global memory and fence before its first load. O is
+# written with a plain masked store: Triton 3.6 cannot warp-specialize a kernel that reshapes
+# its output tile to a 4-D descriptor's (1, 1, rows, D). The kernel is autotuned per head size,
+# mask, dtype and sequence-length bucket (the next power of two, 128 to 16384), not per exact
+# length: prompts of every length then tune a handful of times, not once each.
 
 
 def _seq_bucket(n):
@@ -1169,13 +1174,23 @@ def _bench_or_skip(kernel_call, quantiles):
         return [float("inf")] * len(quantiles)
 
 
+def _tile_rows(args):
+    """The configurations' pre_hook, run before each launch: a descriptor (_desc) carries its
+    tile's shape, and the kernel is compiled for it. Those of keys and values and their
+    gradients take BLOCK_N rows a tile, those of queries, dO and dQ BLOCK_M."""
+    for name, value in args.items():
+        if isinstance(value, TensorDescriptor):
+            key_side = name in ("k_desc", "v_desc", "dk_desc", "dv_desc")
+            value.block_shape[2] = args["BLOCK_N" if key_side else "BLOCK_M"]
+
+
 def _config(block_m, block_n, warps, stages, head_dims=(32, 64, 128), warp_specialize=False):
     """A launch configuration, offered for the head sizes in head_dims only. warp_specialize
     (forward only): the key loop is warp-specialized, which only the one-loop path allows."""
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     if warp_specialize:
         meta["WARP_SPECIALIZE"] = True
-    config = triton.Config(meta, num_warps=warps, num_stages=stages)
+    config = triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_tile_rows)
     config.head_dims = head_dims
     return config
 
@@ -1233,15 +1248,17 @@ def _visible(i, j, T, S, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, lo, hi, offs_m, T, S, qk_scale,
-                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
-    """Online softmax over the key blocks [lo, hi) for one query block. m_i, l_i: running max
-    and sum, base 2; acc (BLOCK_M, D): the unnormalized output. MASKED=False is for blocks where
-    every query sees every key: no mask arithmetic, and one FMA per score."""
+def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, b, kvh, lo, hi, offs_m, T, S, qk_scale,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 WARP_SPECIALIZE: tl.constexpr = False):
+    """Online softmax over the key blocks [lo, hi) of kv head kvh of batch b, for one query
+    block. m_i, l_i: running max and sum, base 2; acc (BLOCK_M, D): the unnormalized output.
+    MASKED=False is for blocks where every query sees every key: no mask arithmetic, and one FMA
+    per score."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+        k = k_desc.load([b, kvh, start_n, 0]).reshape([BLOCK_N, D])
         qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) raw scores
         if MASKED:
             keep = _visible(offs_m[:, None], (start_n + offs_n)[None, :], T, S, CAUSAL)
@@ -1258,7 +1275,7 @@ def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, lo, hi, offs_m, T, S, qk_scal
         alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = v_desc.load([start_n, 0])  # (BLOCK_N, D)
+        v = v_desc.load([b, kvh, start_n, 0]).reshape([BLOCK_N, D])
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -1280,14 +1297,6 @@ def _query_block_program(Hq, GROUP, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _head_desc(base, b, h, stride_b, stride_h, rows, stride_row, D: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """Tensor descriptor of head h of batch b, a (rows, D) matrix read BLOCK rows at a time."""
-    return tl.make_tensor_descriptor(base + b * stride_b + h * stride_h, shape=[rows, D],
-                                     strides=[stride_row, 1], block_shape=[BLOCK, D])
-
-
-@triton.jit
 def _key_range(start_m, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(full, hi) for the query block at start_m: keys [0, full) are visible to every row of the
     block; [full, hi) need the mask (the diagonal and the ragged end of S); keys from hi on are
@@ -1304,40 +1313,40 @@ def _key_range(start_m, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
 @triton.autotune(configs=_FWD_CONFIGS, key=["T_BUCKET", "S_BUCKET", "D", "CAUSAL", "EVEN_S"],
                  prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_bench_or_skip)
 @triton.jit(do_not_specialize=["T", "S"])
-def _flash_fwd_kernel(Q, K, V, O, LSE2, qk_scale,
-                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                      stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+def _flash_fwd_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_ot, LSE2, qk_scale,
                       Hq, GROUP, T, S, T_BUCKET, S_BUCKET,
                       D: tl.constexpr, CAUSAL: tl.constexpr, EVEN_S: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       WARP_SPECIALIZE: tl.constexpr = False):
     """One program per (query block, batch * query head).
-    Q, O (B, Hq, T, D) and K, V (B, Hkv, S, D): any strides, unit last stride. LSE2 (B, Hq, T)
-    float32: the log-sum-exp in base 2. qk_scale = sm_scale * log2(e). GROUP = Hq // Hkv: query
-    head h reads kv head h // GROUP. EVEN_S: S is a multiple of 128, so without the causal mask
+    Descriptors (_desc) of q (B, Hq, T, D), in tiles of BLOCK_M rows, and of k, v (B, Hkv, S,
+    D), of BLOCK_N; O (B, Hq, T, D) any strides, unit last stride. LSE2 (B, Hq, T) float32:
+    the log-sum-exp in base 2. qk_scale = sm_scale * log2(e). GROUP = Hq // Hkv: query head h
+    reads kv head h // GROUP. EVEN_S: S is a multiple of 128, so without the causal mask
     no key block needs masking. T_BUCKET, S_BUCKET: autotune keys only. WARP_SPECIALIZE: the
     key loop is warp-specialized where there is one loop (see _FWD_CONFIGS)."""
     pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
-    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
-    k_desc = _head_desc(K, b, kvh, stride_kb, stride_kh, S, stride_kt, D, BLOCK_N)
-    v_desc = _head_desc(V, b, kvh, stride_vb, stride_vh, S, stride_vt, D, BLOCK_N)
-    o_desc = _head_desc(O, b, h, stride_ob, stride_oh, T, stride_ot, D, BLOCK_M)
+    o_head = O + b * stride_ob + h * stride_oh
+    b, h, kvh = b.to(tl.int32), h.to(tl.int32), kvh.to(tl.int32)  # a descriptor's coordinates
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = q_desc.load([start_m, 0])  # (BLOCK_M, D), stays on chip for the whole loop
+    q = q_desc.load([b, h, start_m, 0]).reshape([BLOCK_M, D])  # stays on chip for the whole loop
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     full, hi = _key_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, 0, full, offs_m, T, S,
-                                 qk_scale, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+    acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, b, kvh, 0, full, offs_m, T,
+                                 S, qk_scale, D, BLOCK_N, CAUSAL, False, DOT_PRECISION,
                                  WARP_SPECIALIZE and not CAUSAL and EVEN_S)
     if CAUSAL or not EVEN_S:
-        acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, full, hi, offs_m, T, S,
-                                     qk_scale, BLOCK_N, CAUSAL, True, DOT_PRECISION)
+        acc, m_i, l_i = _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, b, kvh, full, hi, offs_m,
+                                     T, S, qk_scale, D, BLOCK_N, CAUSAL, True, DOT_PRECISION)
     empty = l_i == 0.0  # rows that saw no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
-    o_desc.store([start_m, 0], (acc / l_safe[:, None]).to(q.dtype))  # rows past T are dropped
+    out = (acc / l_safe[:, None]).to(q.dtype)
+    offs_d = tl.arange(0, D)
+    o_ptrs = o_head + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :]
+    tl.store(o_ptrs, out, mask=offs_m[:, None] < T)  # not a descriptor's: see the note above
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     tl.store(LSE2 + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=offs_m < T)
 
@@ -1407,16 +1416,20 @@ def _dot_precision(dtype):
 
 
 def _launch(kernel, grid, *args, **meta):
-    """Launch. Tensor descriptors built inside a kernel live in a small global scratch buffer,
-    which Triton allocates through set_allocator. A head size that fits no tile configuration
-    (D=256 in float32, say) becomes a clear error."""
-    triton.set_allocator(_scratch)
+    """Launch. A head size that fits no tile configuration (D=256 in float32, say) becomes a
+    clear error."""
     try:
         kernel[grid](*args, **meta)
     except triton.runtime.errors.OutOfResources as err:
-        dtype = getattr(args[0], "base", args[0]).dtype  # a tensor, or a TensorDescriptor's
+        dtype = args[0].base.dtype  # of q, whose descriptor comes first
         raise ValueError(f"flash_attention: D={meta['D']} does not fit this GPU's shared memory "
                          f"in {dtype} ({err}); use a smaller head size or bf16/fp16") from err
+
+
+def _desc(x):
+    """A tensor descriptor of x (B, H, T, D), built on the host. Its tile, (1, 1, rows, D), gets
+    its rows from the kernel's configuration (_tile_rows)."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 1, x.shape[-1]])
 
 
 def _flash_forward(q, k, v, causal, sm_scale):
@@ -1428,16 +1441,10 @@ def _flash_forward(q, k, v, causal, sm_scale):
     out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse2 = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     _launch(_flash_fwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq),
-            q, k, v, out, lse2, sm_scale * LOG2E,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            _desc(q), _desc(k), _desc(v), out, *out.stride()[:3], lse2, sm_scale * LOG2E,
             Hq, Hq // Hkv, T, S, _seq_bucket(T), _seq_bucket(S),
             D=D, CAUSAL=causal, EVEN_S=S % 128 == 0, DOT_PRECISION=_dot_precision(q.dtype))
     return out, lse2
-
-
-def _scratch(size, alignment, stream):
-    """Global memory for the tensor descriptors a kernel builds (Triton asks via set_allocator)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def flash_attention(q, k, v, causal=True, sm_scale=None):
