@@ -6,12 +6,15 @@ tested on the GPU only). Every result is compared with `naive_attention` run in 
 is itself checked against torch's scaled_dot_product_attention.
 """
 import itertools
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, check_main, load_stage
+from conftest import HAS_CUDA, ROOT, check_main, load_stage
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +146,65 @@ def test_warp_specialized_tile_only_on_the_one_loop_path(fa, monkeypatch):
     monkeypatch.setattr(fa._flash_fwd_kernel, "cache", {})
     for T, S, causal in [(40, 128, False), (40, 50, True)]:
         check_against_reference(fa, 1, 2, 1, T, S, 32, causal, torch.float32, F32_TOL, F32_TOL)
+
+
+# Compiles the stage's warp-specialized forward tiles for an H100/H200 (sm_90) on any machine:
+# TTGIR needs no GPU. Prints, per TMA copy, the elements of the descriptor's tile and of the
+# shared-memory buffer it fills.
+SM90_COPIES = r"""
+import importlib.util, math, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
+spec = importlib.util.spec_from_file_location("fa", sys.argv[1])
+fa = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fa)
+kernel = fa._flash_fwd_kernel.fn
+for config in [c for c in fa._FWD_CONFIGS if c.kwargs.get("WARP_SPECIALIZE")]:
+    D = max(config.head_dims)
+    consts = dict(config.kwargs, D=D, CAUSAL=False, EVEN_S=True, DOT_PRECISION="tf32")
+    x = torch.empty(1, 1, 128, D, dtype=torch.bfloat16)
+    args = {name: TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 1, D])
+            for name in kernel.arg_names if name.endswith("_desc")}
+    config.pre_hook({**args, **consts})  # _tile_rows: each descriptor's tile
+    sig = {name: "i32" for name in kernel.arg_names}
+    sig.update({name: "tensordesc<bf16[%s]>" % ", ".join(map(str, d.block_shape))
+                for name, d in args.items()})
+    types = dict(Q="*bf16", O="*bf16", LSE2="*fp32", qk_scale="fp32")
+    sig.update({name: t for name, t in types.items() if name in sig})
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    source = ASTSource(kernel, signature=sig, constexprs={
+        (kernel.arg_names.index(k),): v for k, v in consts.items()})
+    ttgir = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=config.num_warps, num_stages=config.num_stages)).asm["ttgir"]
+    print(config, "warp_specialize", "ttg.warp_specialize" in ttgir)
+    for line in ttgir.splitlines():
+        if "async_tma_copy_global_to_local" in line:
+            tile = re.search(r"tensordesc<(?:tensor<)?([0-9x]+)x\w+", line).group(1)
+            buffer = re.search(r"-> !ttg.memdesc<([0-9x]+)x\w+", line).group(1)
+            print("copy", *(math.prod(map(int, dims.split("x"))) for dims in (tile, buffer)))
+"""
+
+
+def test_warp_specialized_tile_copies_whole_tiles(tmp_path):
+    """Triton 3.6 splits a warp-specialized tile's query block between two consumer warpgroups
+    and copies each half through the query's descriptor. A host-built descriptor keeps the whole
+    block's tile: the copy then fills twice what its barrier waits for, and the kernel hangs on
+    the GPU (seen on the H200; Triton 3.8 refuses to compile it). Each TMA copy of the compiled
+    forward must fill exactly its buffer."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = tmp_path / "copies.py"
+    script.write_text(SM90_COPIES)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, str(script), str(ROOT / "06_flash_attention.py")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert any(line.endswith("warp_specialize True") for line in lines), run.stdout
+    copies = [tuple(map(int, line.split()[1:])) for line in lines if line.startswith("copy ")]
+    assert len(copies) >= 3, run.stdout  # the query's, a key's and a value's
+    assert all(tile == buffer for tile, buffer in copies), run.stdout
 
 
 def test_float32_inputs_take_one_configuration(fa):
