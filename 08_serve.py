@@ -1150,13 +1150,14 @@ def _expand_kv(q, k, v):
 # over the whole (B, H, T, D) tensor (_desc): a program names its tile by (b, h, row, 0). Built
 # in the kernel instead, each program writes its own to global memory and fences before its
 # first load: at the GPT's shape (B=16, H=12, T=1,024, D=64, causal) on the H200 the forward
-# took 122 us that way and 96 us with the host's, the backward 377 and 305 us. The forward has
-# two exceptions, both for Triton 3.6's warp specialization, which splits the query block
-# between two consumer warpgroups. It then copies each half through the query's descriptor: one
-# built in the kernel is re-tiled to the half, while a host-built one keeps its whole-block
-# tile, so each copy fills twice what its barrier waits for and the kernel hangs (on the H200).
-# The warp-specialized tile therefore builds its own query descriptor. And O is written with a
-# masked store: the reshape to a 4-D descriptor's (1, 1, rows, D) tile does not compile there.
+# took 122 us that way and 96 us with the host's, the backward 377 and 305 us. The forward
+# writes O with a masked store, and has one exception: its warp-specialized tile, which Triton
+# 3.6 splits between two consumer warpgroups of half the query block each. Its query copies go
+# through the query's descriptor: one built in the kernel is re-tiled to the half, a host-built
+# one keeps its whole-block tile, so each copy fills twice what its barrier waits for and the
+# kernel hangs (on the H200). Its masked store of O, split the same way, gave wrong rows and an
+# illegal address there. So that tile builds its own descriptors of q and O (_head_desc): a
+# host-built one of O would need the tile reshaped to (1, 1, rows, D), which does not compile.
 # The kernel is autotuned per head size, mask, dtype and sequence-length bucket (the next power
 # of two, 128 to 16384), not per exact length: prompts of every length then tune a handful of
 # times, not once each.
@@ -1343,8 +1344,9 @@ def _flash_fwd_kernel(Q, stride_qb, stride_qh, stride_qt, q_desc, k_desc, v_desc
     key loop is warp-specialized where there is one loop (see _FWD_CONFIGS)."""
     pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
     o_head = O + b * stride_ob + h * stride_oh
-    if WARP_SPECIALIZE:  # the query block through a descriptor of the kernel's own: see above
+    if WARP_SPECIALIZE:  # q and O through descriptors of the kernel's own: see above
         q_head = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
+        o_desc = _head_desc(O, b, h, stride_ob, stride_oh, T, stride_ot, D, BLOCK_M)
     b, h, kvh = b.to(tl.int32), h.to(tl.int32), kvh.to(tl.int32)  # a descriptor's coordinates
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -1365,9 +1367,12 @@ def _flash_fwd_kernel(Q, stride_qb, stride_qh, stride_qt, q_desc, k_desc, v_desc
     empty = l_i == 0.0  # rows that saw no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(q.dtype)
-    offs_d = tl.arange(0, D)
-    o_ptrs = o_head + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :]
-    tl.store(o_ptrs, out, mask=offs_m[:, None] < T)  # not a descriptor's: see the note above
+    if WARP_SPECIALIZE:
+        o_desc.store([start_m, 0], out)  # rows past T are dropped
+    else:
+        offs_d = tl.arange(0, D)
+        o_ptrs = o_head + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :]
+        tl.store(o_ptrs, out, mask=offs_m[:, None] < T)  # not a descriptor's: see the note
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     tl.store(LSE2 + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=offs_m < T)
 

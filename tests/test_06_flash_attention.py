@@ -184,6 +184,10 @@ for config in [c for c in fa._FWD_CONFIGS if c.kwargs.get("WARP_SPECIALIZE")]:
             tile = re.search(r"tensordesc<(?:tensor<)?([0-9x]+)x\w+", line).group(1)
             buffer = re.search(r"-> !ttg.memdesc<([0-9x]+)x\w+", line).group(1)
             print("copy", *(math.prod(map(int, dims.split("x"))) for dims in (tile, buffer)))
+        if re.search(r"tt\.store .*: tensor<\d+x\d+x!tt\.ptr", line):
+            print("2-D pointer store")
+        if "async_tma_copy_local_to_global" in line:
+            print("descriptor store")
 """
 
 
@@ -192,7 +196,8 @@ def test_warp_specialized_tile_copies_whole_tiles(tmp_path):
     and copies each half through the query's descriptor. A host-built descriptor keeps the whole
     block's tile: the copy then fills twice what its barrier waits for, and the kernel hangs on
     the GPU (seen on the H200; Triton 3.8 refuses to compile it). Each TMA copy of the compiled
-    forward must fill exactly its buffer."""
+    forward must fill exactly its buffer. Its output, split the same way, gave wrong rows and an
+    illegal address through a masked pointer store: it must leave through a descriptor store."""
     pytest.importorskip("triton.backends.nvidia")
     script = tmp_path / "copies.py"
     script.write_text(SM90_COPIES)
@@ -205,6 +210,7 @@ def test_warp_specialized_tile_copies_whole_tiles(tmp_path):
     copies = [tuple(map(int, line.split()[1:])) for line in lines if line.startswith("copy ")]
     assert len(copies) >= 3, run.stdout  # the query's, a key's and a value's
     assert all(tile == buffer for tile, buffer in copies), run.stdout
+    assert "descriptor store" in lines and "2-D pointer store" not in lines, run.stdout
 
 
 def test_float32_inputs_take_one_configuration(fa):
