@@ -1453,6 +1453,11 @@ def _check_inputs(q, k, v, causal, sm_scale):
     if q.device.type != "cuda" and not (q.device.type == "cpu" and INTERPRET):
         raise ValueError(f"flash_attention: tensors on {q.device} need a CUDA device (or, on the "
                          f"CPU, Triton's interpreter: TRITON_INTERPRET=1 before triton loads)")
+    if q.device.type == "cuda" and q.dtype == torch.float32 and D == 256:
+        # its tiles compile, and the dK/dV kernel then reads outside shared memory (in its
+        # float32 dS^T q product, by compute-sanitizer on the H200): float32 is for checking
+        raise ValueError("flash_attention: D=256 in float32 is not supported on the GPU; "
+                         "use bfloat16 or float16, or D <= 128")
     if not isinstance(causal, bool):  # a string such as "no" would be truthy
         raise TypeError(f"flash_attention: causal must be True or False, got {causal!r}")
     if sm_scale is not None:
@@ -1480,7 +1485,7 @@ def _dot_precision(dtype):
 def _launch(kernel, grid, *args, **meta):
     """Launch. Tensor descriptors built inside a kernel live in a small global scratch buffer,
     which Triton allocates through set_allocator. A head size that fits no tile configuration
-    (D=256 in float32, say) becomes a clear error."""
+    in this GPU's shared memory becomes a clear error."""
     triton.set_allocator(_scratch)
     try:
         kernel[grid](*args, **meta)
