@@ -2865,7 +2865,8 @@ def flash_attention_with_lse(q, k, v, causal=True, sm_scale=None):
     """FlashAttention, returning (out, lse).
     q (B, Hq, T, D); k, v (B, Hkv, S, D) with Hq a multiple of Hkv: query head h attends with kv
     head h // (Hq // Hkv). D in {32, 64, 128, 256}. float16, bfloat16 or float32 (float32 with
-    near-float32 products, see _dot_precision). CUDA tensors, or CPU ones under the interpreter.
+    near-float32 products, see _dot_precision; not at D=256 on a GPU, see _check_inputs). CUDA
+    tensors, or CPU ones under the interpreter.
     causal: query i sees key j iff j <= i + (S - T), the mask aligned to the bottom-right corner.
     sm_scale defaults to 1/sqrt(D). out (B, Hq, T, D) in q's dtype; lse (B, Hq, T) float32 in
     natural log, without gradient. Queries that see no key (causal with T > S: the first T - S)
