@@ -2518,13 +2518,13 @@ def _flash_fwd_kernel(Q, stride_qb, stride_qh, stride_qt, q_desc, k_desc, v_desc
     pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
     o_head = O + b * stride_ob + h * stride_oh
     if WARP_SPECIALIZE:  # q and O through descriptors of the kernel's own: see above
-        q_head = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
-        o_desc = _head_desc(O, b, h, stride_ob, stride_oh, T, stride_ot, D, BLOCK_M)
+        q_own = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
+        o_own = _head_desc(O, b, h, stride_ob, stride_oh, T, stride_ot, D, BLOCK_M)
     b, h, kvh = b.to(tl.int32), h.to(tl.int32), kvh.to(tl.int32)  # a descriptor's coordinates
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if WARP_SPECIALIZE:
-        q = q_head.load([start_m, 0])  # (BLOCK_M, D), stays on chip for the whole loop
+        q = q_own.load([start_m, 0])  # (BLOCK_M, D), stays on chip for the whole loop
     else:
         q = q_desc.load([b, h, start_m, 0]).reshape([BLOCK_M, D])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -2541,7 +2541,7 @@ def _flash_fwd_kernel(Q, stride_qb, stride_qh, stride_qt, q_desc, k_desc, v_desc
     l_safe = tl.where(empty, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(q.dtype)
     if WARP_SPECIALIZE:
-        o_desc.store([start_m, 0], out)  # rows past T are dropped
+        o_own.store([start_m, 0], out)  # rows past T are dropped
     else:
         offs_d = tl.arange(0, D)
         o_ptrs = o_head + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :]
