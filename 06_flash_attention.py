@@ -2516,10 +2516,11 @@ def _flash_fwd_kernel(Q, stride_qb, stride_qh, stride_qt, q_desc, k_desc, v_desc
     no key block needs masking. T_BUCKET, S_BUCKET: autotune keys only. WARP_SPECIALIZE: the
     key loop is warp-specialized where there is one loop (see _FWD_CONFIGS)."""
     pid_m, pid_bh, b, h, kvh = _query_block_program(Hq, GROUP, CAUSAL)
-    o_head = O + b * stride_ob + h * stride_oh
     if WARP_SPECIALIZE:  # q and O through descriptors of the kernel's own: see above
         q_own = _head_desc(Q, b, h, stride_qb, stride_qh, T, stride_qt, D, BLOCK_M)
         o_own = _head_desc(O, b, h, stride_ob, stride_oh, T, stride_ot, D, BLOCK_M)
+    else:
+        o_head = O + b * stride_ob + h * stride_oh  # in int64, before the cast below
     b, h, kvh = b.to(tl.int32), h.to(tl.int32), kvh.to(tl.int32)  # a descriptor's coordinates
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -756,8 +756,8 @@ def test_attention_chapter_errors_and_prints(fa, capsys):
 
 def test_gpt_and_loss_still_check_ranges(fa):
     """06 lets a CUDA graph capture skip cross_entropy's token-range check (GPT.forward, from
-    stage 03 on, checks none in training on a GPU); outside a capture both still refuse out-of-range
-    ids."""
+    stage 03 on, checks none in training on a GPU); outside a capture both still refuse
+    out-of-range ids."""
     gpt = fa.GPT(fa.GPTConfig(vocab_size=11, context_length=8, n_embd=16, n_head=2, n_layer=1))
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 11\)"):
         gpt(torch.tensor([[3, 11]]))
