@@ -1526,13 +1526,14 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     # CPU tests are there to check
     small = not INTERPRET and not split_tail and _few_tiles(M, N, programs)
     if a_tma and b_tma and _use_tma(a) and not small:
-        triton.set_allocator(_scratch)
         layout = dict(A_T=a_tma[0], B_T=b_tma[0], C_TMA=c_tma is not None and not c_tma[0], APPLY_GELU=apply_gelu)
         if split_tail:
-            _mm_split_tail(a, b, out, bias, pre, a_tma[1], b_tma[1], programs, layout)
+            _mm_split_tail(a, b, out, bias, pre, programs, layout)
         else:
+            a_desc, b_desc, c_desc, pre_desc = _tma_descs(a, b, out, pre, layout)
             _matmul_tma_kernel[lambda meta: (min(programs, tiles(meta)),)](  # (FIRST_TILE, TILES 0: all)
-                a, b, out, bias, pre, M, N, K, a_tma[1], b_tma[1], *out.stride(), 0, 0, **layout, SPLIT_K=1)
+                a_desc, b_desc, out, c_desc, bias, pre, pre_desc, M, N, K, *out.stride(), 0, 0, **layout,
+                SPLIT_K=1)
     else:
         _matmul_kernel[lambda meta: (tiles(meta),)](a, b, out, bias, pre, M, N, K, *a.stride(), *b.stride(),
                                                     *out.stride(), APPLY_GELU=apply_gelu, DOT_PRECISION=precision)
@@ -1806,11 +1807,36 @@ def _tma_configs():
     # persistent programs hold one tile's accumulator and the load ring: 3 stages of 128 x 256
     # tiles (4 fit beside the half-tile epilogue buffer, but are no faster)
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}, pre_hook=_tma_tiles)]
     tiles = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4),
              (64, 128, 64, 4, 4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
-            for m, n, k, s, w in tiles]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w,
+                          pre_hook=_tma_tiles) for m, n, k, s, w in tiles]
+
+
+def _tma_descs(a, b, out, pre, layout):
+    """The TMA kernel's descriptors, built on the host once a call (built in the kernel, each
+    program writes its own to global memory and fences before its first load): a and b over
+    their storage (a transposed view's over the (K, M) or (N, K) matrix it views), out's and
+    pre's where tiles leave by TMA stores, else None. Their tiles are set by _tma_tiles."""
+    def desc(x, transposed=False):
+        x = x.t() if transposed else x
+        return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [1, 1])
+    c_tma = layout["C_TMA"]
+    return (desc(a, layout["A_T"]), desc(b, layout["B_T"]), desc(out) if c_tma else None,
+            desc(pre) if c_tma and pre is not None else None)
+
+
+def _tma_tiles(args):
+    """The TMA configurations' pre_hook, run before each launch: a descriptor carries the shape
+    of its tile, and the kernel is compiled for it. a's and b's are a K step of the tile's rows
+    and columns, as stored; C's and PRE's half a tile (_store_halves)."""
+    bm, bn, bk = args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]
+    args["a_desc"].block_shape[:] = [bk, bm] if args["A_T"] else [bm, bk]
+    args["b_desc"].block_shape[:] = [bn, bk] if args["B_T"] else [bk, bn]
+    for name in ("c_desc", "pre_desc"):
+        if args[name] is not None:
+            args[name].block_shape[:] = [bm, bn // 2]
 
 
 def _prune_tma_configs(configs, named_args, **kwargs):
@@ -1825,39 +1851,32 @@ def _prune_tma_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _store_halves(C, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """TMA-store the fp32 tile acc as C's dtype, in two (BLOCK_M, BLOCK_N / 2) halves: the staging
-    buffer in shared memory is half a tile, and the first half is on its way while the second is
-    converted. Against one whole-tile store, with GROUP_M 8: as fast at 4096^3, 5% faster at 8192^3."""
-    desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
+def _store_halves(desc, pid_m, pid_n, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """TMA-store the fp32 tile acc in desc's dtype, in two (BLOCK_M, BLOCK_N / 2) halves: the
+    staging buffer in shared memory is half a tile, and the first half is on its way while the
+    second is converted. Against one whole-tile store, with GROUP_M 8: as fast at 4096^3, 5%
+    faster at 8192^3."""
     left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-    desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(C.dtype.element_ty))
-    desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(C.dtype.element_ty))
+    desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(desc.dtype))
+    desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(desc.dtype))
 
 
 @triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "A_T", "B_T", "C_TMA", "SPLIT_K"],
                  prune_configs_by={"early_config_prune": _prune_tma_configs},
                  do_bench=_bench_in_graph)
 @triton.jit
-def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_cm, stride_cn, FIRST_TILE, TILES,
-                       A_T: tl.constexpr, B_T: tl.constexpr, C_TMA: tl.constexpr, APPLY_GELU: tl.constexpr,
+def _matmul_tma_kernel(a_desc, b_desc, C, c_desc, BIAS, PRE, pre_desc, M, N, K, stride_cm, stride_cn, FIRST_TILE,
+                       TILES, A_T: tl.constexpr, B_T: tl.constexpr, C_TMA: tl.constexpr, APPLY_GELU: tl.constexpr,
                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # The same product, persistent, with TMA loads. A is stored (M, K) row-major with row stride
-    # stride_a, or when A_T its transpose is: (K, M). B likewise: (K, N), or (N, K) when B_T (an
-    # nn.Linear weight). C_TMA: C (and PRE) are row-major, so tiles leave by TMA stores too, which
-    # drop the rows and columns past the edge themselves. The rest is as for _matmul_kernel.
+    # The same product, persistent, with TMA loads (descriptors from _tma_descs). A is stored
+    # (M, K) row-major, or when A_T its transpose is: (K, M). B likewise: (K, N), or (N, K) when
+    # B_T (an nn.Linear weight). C_TMA: C (and PRE) are row-major, so tiles leave by TMA stores
+    # through c_desc (and pre_desc), which drop the rows and columns past the edge themselves.
+    # The rest is as for _matmul_kernel.
     # The programs take the TILES tiles from FIRST_TILE on (TILES 0: all of them). SPLIT_K > 1:
     # work item i is tile FIRST_TILE + i % TILES over part i // TILES of K, and C is the fp32
     # workspace (SPLIT_K, TILES, BLOCK_M, BLOCK_N) of the partial tiles (no bias, GELU or PRE here).
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(A, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(B, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
     num_tiles = tl.where(TILES > 0, TILES, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # steps of BLOCK_K in one part of K
     # flatten: one software pipeline over the (tile, k) pairs, so the next tile's first loads are
@@ -1893,10 +1912,10 @@ def _matmul_tma_kernel(A, B, C, BIAS, PRE, M, N, K, stride_a, stride_b, stride_c
             if BIAS is not None:
                 acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             if PRE is not None:
-                _store_halves(PRE, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M, BLOCK_N)
+                _store_halves(pre_desc, pid_m, pid_n, acc, BLOCK_M, BLOCK_N)
             if APPLY_GELU:
                 acc = _gelu(acc)
-            _store_halves(C, M, N, stride_cm, pid_m, pid_n, acc, BLOCK_M, BLOCK_N)
+            _store_halves(c_desc, pid_m, pid_n, acc, BLOCK_M, BLOCK_N)
         else:
             _matmul_epilogue(acc, C, BIAS, PRE, offs_m, offs_n, M, N, stride_cm, stride_cn, APPLY_GELU)
 
@@ -1937,19 +1956,22 @@ def _split_tail_plan(M, N, K, programs, block_m, block_n, block_k):
     return (whole, left, split) if split > 1 else (tiles, 0, 1)
 
 
-def _mm_split_tail(a, b, out, bias, pre, stride_a, stride_b, programs, layout):
+def _mm_split_tail(a, b, out, bias, pre, programs, layout):
     (M, K), N = a.shape, b.shape[1]
     tile = _SPLIT_TILE_INTERPRET if INTERPRET else _SPLIT_TILE  # one tile size for both launches
     bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
     whole, left, split = _split_tail_plan(M, N, K, programs, bm, bn, tile["BLOCK_K"])
     kernel = _matmul_tma_kernel.fn  # the kernel under the autotuner, launched with `tile`
+    descs = dict(zip(("a_desc", "b_desc", "c_desc", "pre_desc"), _tma_descs(a, b, out, pre, layout)))
+    _tma_tiles({**descs, **layout, **tile})  # the autotuner's pre_hook, which this launch bypasses
     if whole:
-        kernel[(programs,)](a, b, out, bias, pre, M, N, K, stride_a, stride_b, *out.stride(), 0, whole,
-                            **layout, SPLIT_K=1, **tile)
+        kernel[(programs,)](descs["a_desc"], descs["b_desc"], out, descs["c_desc"], bias, pre, descs["pre_desc"],
+                            M, N, K, *out.stride(), 0, whole, **layout, SPLIT_K=1, **tile)
     if left:
         parts = torch.empty(split, left, bm, bn, device=a.device, dtype=torch.float32)
-        kernel[(min(programs, left * split),)](a, b, parts, None, None, M, N, K, stride_a, stride_b,
-                                               *out.stride(), whole, left, **layout, SPLIT_K=split, **tile)
+        kernel[(min(programs, left * split),)](descs["a_desc"], descs["b_desc"], parts, None, None, None, None,
+                                               M, N, K, *out.stride(), whole, left, **layout, SPLIT_K=split,
+                                               **tile)
         sub_m, sub_n = min(bm, 32), min(bn, 64)
         _split_k_sum_kernel[(left, (bm // sub_m) * (bn // sub_n))](
             parts, out, bias, pre, M, N, *out.stride(), whole, left, SPLIT_K=split,
