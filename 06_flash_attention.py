@@ -1522,10 +1522,7 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     a_tma, b_tma, c_tma = _tma_layout(a), _tma_layout(b), _tma_layout(out)
     programs = _INTERPRET_PROGRAMS if INTERPRET else _num_sms(a.device)
     split_tail = _few_tiles_long_k(M, N, K, programs)
-    # under the interpreter every product the TMA kernel can take goes to it: that is what the
-    # CPU tests are there to check
-    small = not INTERPRET and not split_tail and _few_tiles(M, N, programs)
-    if a_tma and b_tma and _use_tma(a) and not small:
+    if a_tma and b_tma and _use_tma(a):
         layout = dict(A_T=a_tma[0], B_T=b_tma[0], C_TMA=c_tma is not None and not c_tma[0], APPLY_GELU=apply_gelu)
         if split_tail:
             _mm_split_tail(a, b, out, bias, pre, programs, layout)
@@ -1788,8 +1785,8 @@ def triton_loss_fn(logits, targets):
 # unit stride and the other a multiple of 16 bytes: row-major operands or transposed ones (a
 # weight's .t(), an activation's .t() in the backward), 16-bit types. _mm checks that
 # (_tma_layout); the pointer kernel covers the rest (fp32, odd K or N, other strides, pre-Hopper
-# GPUs) and the products too small to fill the SMs (_few_tiles). Rows whose N values are not
-# whole 16-byte units are padded (_empty_aligned_rows) so that their products stay on this kernel.
+# GPUs). Rows whose N values are not whole 16-byte units are padded (_empty_aligned_rows) so that
+# their products stay on this kernel.
 #
 # Split-K on the tail. A product with a small output and a long K, such as a weight's gradient in
 # training (3,072 x 768 summed over 16,384 tokens), has too few tiles for the SMs: its 144 tiles of
@@ -1804,12 +1801,14 @@ def triton_loss_fn(logits, targets):
 # speed on the same tiles.)
 
 def _tma_configs():
-    # persistent programs hold one tile's accumulator and the load ring: 3 stages of 128 x 256
-    # tiles (4 fit beside the half-tile epilogue buffer, but are no faster)
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}, pre_hook=_tma_tiles)]
+    # persistent programs hold one tile's accumulator and the load ring: 3 stages of 128 x 256
+    # tiles (4 fit beside the half-tile epilogue buffer, but are no faster). Products too small to
+    # fill the SMs take 64 x 128 tiles, a 128-deep step of K each: at 1024^3 (128 tiles) 0.94x
+    # cuBLAS, against 0.87x with 64-deep steps and 0.90x for the pointer kernel's best tile
     tiles = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4),
-             (64, 128, 64, 4, 4)]
+             (64, 128, 64, 4, 4), (64, 128, 128, 3, 4)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w,
                           pre_hook=_tma_tiles) for m, n, k, s, w in tiles]
 
@@ -1986,15 +1985,6 @@ _SPLIT_TILE_INTERPRET = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M":
 _INTERPRET_PROGRAMS = 2  # persistent programs under the interpreter (tests set others)
 
 
-def _few_tiles(M, N, programs):
-    """Fewer 128 x 128 tiles of the output than SMs (1024 x 1024 has 64 for the H200's 132): a
-    product of a few microseconds, which the TMA kernel's setup in each program (tensor
-    descriptors built in global memory and fenced) does not repay. At 1024^3 the same 64 x 128
-    tile ran at 0.64x cuBLAS in the TMA kernel and 0.91x in the pointer kernel; at 2048^3 and
-    3072^3 the TMA kernel is ahead (0.93x and 0.88x, against 0.91x and 0.76x)."""
-    return triton.cdiv(M, 128) * triton.cdiv(N, 128) < programs
-
-
 def _tma_layout(x):
     """How TMA can read the 2-D operand x: (False, row stride) if its rows are contiguous,
     (True, column stride) if its columns are (x is a transposed view), None if neither fits."""
@@ -2142,10 +2132,11 @@ _MATMUL_SHAPES = [((n, n, n), "nn", False) for n in (1024, 2048, 4096, 8192)] + 
 
 def _bench_matmul(shapes=_MATMUL_SHAPES, rounds=3):
     """bf16 matmul against cuBLAS (and, with the fused bias + GELU epilogue, against compiled
-    torch), launched from Python and replayed in a CUDA graph. Launched, a call costs 90-125 us
-    of Python on the H200 (half of it Triton's autotuner lookup and launch, a quarter _mm's
-    layout checks and allocation, a sixth matmul's checks) against 15 for torch's, which caps
-    the rate of small products whatever the kernel does; in a graph only the GPU's time counts.
+    torch), launched from Python and replayed in a CUDA graph. Launched, a call spends longer in
+    Python than a small product takes on the GPU (Triton's autotuner lookup and launch, the TMA
+    descriptors, _mm's layout checks and allocation, matmul's checks; at 1024^3 on the H200, about
+    270 us a call against 6 us in a graph, and 9 us for cuBLAS launched), which caps the rate of
+    small products whatever the kernel does; in a graph only the GPU's time counts.
     Each contender is timed `rounds` times, interleaved, and its median kept: one timing of
     cuBLAS at 4096^3 can move by 10% between back-to-back calls of do_bench."""
     print(f"\n{'matmul (bf16)':<30} | {'cuBLAS':>7} {'compile':>7} {'triton':>7} {'x':>5} | "

@@ -433,12 +433,6 @@ def test_split_tail_plans(s):
     assert s._split_tail_plan(128, 128, 1024, 132, 128, 128, 64) == (0, 1, 2)  # parts of 8 steps at least
 
 
-def test_small_products_take_the_pointer_kernel(s):
-    # fewer 128 x 128 output tiles than SMs, and no split: the pointer kernel (on the GPU)
-    assert s._few_tiles(1024, 1024, 132) and s._few_tiles(64, 8192, 132)
-    assert not s._few_tiles(2048, 2048, 132) and not s._few_tiles(1536, 1536, 132)
-
-
 def test_matmul_tma_declines(s):
     # what TMA cannot read goes to the pointer kernel: fp32, rows of 7 bf16 (14 bytes), no unit stride
     x = torch.zeros(8, 16, dtype=torch.bfloat16)
@@ -775,7 +769,6 @@ def test_matmul_gpu(s, gen, dtype):
 @pytest.mark.parametrize("b_t", [False, True])
 def test_matmul_tma_gpu(s, gen, a_t, b_t):
     a, b = tma_operands(s, gen, 2000, 776, 2056, a_t, b_t, torch.bfloat16)  # 272 tiles of 128 x 128
-    assert not s._few_tiles(2000, 2056, s._num_sms(a.device))
     bias = randn(gen, 2056, dtype=torch.bfloat16)
     poison_cache(a, b)
     check_close(lambda a, b, bias: s.matmul(a, b, bias, "gelu"), lambda a, b, bias: matmul_ref(a, b, bias, "gelu"),
@@ -802,11 +795,12 @@ def test_matmul_split_tail_gpu(s, gen):
 
 
 @pytest.mark.gpu
-def test_matmul_gpu_small_on_the_pointer_kernel(s, gen, monkeypatch):
-    # 1024^3 in bf16: TMA could read it, but it has too few tiles for the SMs (_few_tiles)
-    a, b = randn(gen, 1024, 1024, dtype=torch.bfloat16), randn(gen, 1024, 1024, dtype=torch.bfloat16, scale=1 / 32)
-    monkeypatch.setattr(s, "_matmul_tma_kernel", None)  # any use of it fails
-    assert rel_err(s.matmul(a, b), a.double() @ b.double()) < TOL[torch.bfloat16]
+def test_matmul_gpu_small_on_the_tma_kernel(s, gen, monkeypatch):
+    # products with fewer tiles than SMs (1024^3: 64 of 128 x 128), and one of 64 rows, on the TMA kernel
+    monkeypatch.setattr(s, "_matmul_kernel", None)  # any use of the pointer kernel fails
+    for m, n, k in ((1024, 1024, 1024), (64, 8192, 1024)):
+        a, b = randn(gen, m, k, dtype=torch.bfloat16), randn(gen, k, n, dtype=torch.bfloat16, scale=k ** -0.5)
+        assert rel_err(s.matmul(a, b), a.double() @ b.double()) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
