@@ -2014,9 +2014,9 @@ def _bench_matmul(shapes=_MATMUL_SHAPES, rounds=3):
     """bf16 matmul against cuBLAS (and, with the fused bias + GELU epilogue, against compiled
     torch), launched from Python and replayed in a CUDA graph. Launched, a call spends longer in
     Python than a small product takes on the GPU (Triton's autotuner lookup and launch, the TMA
-    descriptors, _mm's layout checks and allocation, matmul's checks; at 1024^3 on the H200, about
-    270 us a call against 6 us in a graph, and 9 us for cuBLAS launched), which caps the rate of
-    small products whatever the kernel does; in a graph only the GPU's time counts.
+    descriptors, _mm's layout checks and allocation, matmul's checks; at 1024^3 on the H200, one
+    run timed 270 us a call launched, 6 us in a graph, and 9 us for cuBLAS launched), which caps
+    the rate of small products whatever the kernel does; in a graph only the GPU's time counts.
     Each contender is timed `rounds` times, interleaved, and its median kept: one timing of
     cuBLAS at 4096^3 can move by 10% between back-to-back calls of do_bench."""
     print(f"\n{'matmul (bf16)':<30} | {'cuBLAS':>7} {'compile':>7} {'triton':>7} {'x':>5} | "
