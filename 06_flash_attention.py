@@ -2000,11 +2000,6 @@ def _use_tma(a):
     return INTERPRET or torch.cuda.get_device_capability(a.device)[0] >= 9
 
 
-def _scratch(size, alignment, stream):
-    """Global memory for the tensor descriptors a kernel builds (Triton asks via set_allocator)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _empty_aligned_rows(m, n, like):
     """An empty (m, n) tensor like `like` whose row stride is a whole number of 16-byte units, as
     TMA requires. GPT-2's 50,257 logits a row are not (100,514 bytes in bf16), so they get a row
@@ -2781,6 +2776,11 @@ def _dot_precision(dtype):
     good to about 1e-6, where plain tf32 (Triton's default) keeps 10 mantissa bits and "ieee"
     leaves the tensor cores. float16 and bfloat16 ignore the setting."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _scratch(size, alignment, stream):
+    """Global memory for the tensor descriptors a kernel builds (Triton asks via set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _launch(kernel, grid, *args, **meta):

@@ -1483,6 +1483,11 @@ def _dot_precision(dtype):
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def _scratch(size, alignment, stream):
+    """Global memory for the tensor descriptors a kernel builds (Triton asks via set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _launch(kernel, grid, *args, **meta):
     """Launch. Tensor descriptors built inside a kernel live in a small global scratch buffer,
     which Triton allocates through set_allocator. A head size that fits no tile configuration
@@ -1515,11 +1520,6 @@ def _flash_forward(q, k, v, causal, sm_scale):
             sm_scale * LOG2E, Hq, Hq // Hkv, T, S, _seq_bucket(T), _seq_bucket(S),
             D=D, CAUSAL=causal, EVEN_S=S % 128 == 0, DOT_PRECISION=_dot_precision(q.dtype))
     return out, lse2
-
-
-def _scratch(size, alignment, stream):
-    """Global memory for the tensor descriptors a kernel builds (Triton asks via set_allocator)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def flash_attention(q, k, v, causal=True, sm_scale=None):  # changed in 07: forward only
