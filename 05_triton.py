@@ -1345,7 +1345,11 @@ def _bench_in_graph(kernel_call, quantiles):
     """The autotuner's timing of one candidate, replayed from a CUDA graph. Timed as launched, a
     small product measures its launch from Python (about 25 us of host time a launch, against 5-6
     us of GPU work at 1024^3 on the H200), and the autotuner there chose 128 x 64 tiles (0.82x
-    cuBLAS in a graph) over 64 x 128 (0.91x)."""
+    cuBLAS in a graph) over 64 x 128 (0.91x).
+    do_bench_cudagraph runs on a stream of its own, which does not wait for the caller's. The
+    candidates write the call's output, freshly allocated on the caller's stream, maybe in memory
+    that work still queued there reads (a tensor freed a moment ago): wait for that work first."""
+    torch.cuda.current_stream().synchronize()
     return triton.testing.do_bench_cudagraph(kernel_call, quantiles=quantiles)
 
 

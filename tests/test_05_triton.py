@@ -804,6 +804,31 @@ def test_matmul_gpu_small_on_the_tma_kernel(s, gen, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_matmul_autotuning_waits_for_queued_work(s, gen):
+    """The autotuner times its candidates on a stream of its own, and they write the call's output.
+    Here that output takes the memory of x, freed while its last reader still waits behind a long
+    kernel: the reader must see x, not a candidate's product (it saw the product before the timing
+    waited for the caller's stream, and a check's reference came out wrong that way). Two shapes:
+    in a fresh process the first round ran in order anyway (CUDA's first uses synchronize)."""
+    for m in (1152, 1216):  # shapes no other test uses, so each call below autotunes
+        a = randn(gen, m, 640, dtype=torch.bfloat16)
+        b = randn(gen, 640, 1280, dtype=torch.bfloat16, scale=640 ** -0.5)
+        s.matmul(a[:m - 128], b)  # tunes another shape of the same specialization: candidates compiled
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so that x's block is the one free block of its size
+        x = torch.full((m, 1280), 3.0, device="cuda", dtype=torch.bfloat16)
+        x_ptr = x.data_ptr()
+        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued before the reader
+        seen = x.float()
+        del x
+        out = s.matmul(a, b)
+        assert out.data_ptr() == x_ptr, "the premise: the output took x's memory"
+        torch.cuda.synchronize()
+        assert (seen == 3).all(), f"M={m}: x's reader saw {seen.unique()[:4].tolist()}"
+        assert rel_err(out, a.double() @ b.double()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
 def test_matmul_gpu_large(s, gen):
     a, b = randn(gen, 4096, 4096, dtype=torch.bfloat16), randn(gen, 4096, 4096, dtype=torch.bfloat16, scale=1 / 64)
     poison_cache(a)
