@@ -1228,27 +1228,30 @@ def _tile_rows(args):
             value.block_shape[2] = args["BLOCK_N" if key_side else "BLOCK_M"]
 
 
-def _config(block_m, block_n, warps, stages, head_dims=(32, 64, 128), warp_specialize=False):
+def _config(block_m, block_n, warps, stages, head_dims=(32, 64, 128), warp_specialize=False,
+            float32_only=False):
     """A launch configuration, offered for the head sizes in head_dims only. warp_specialize
-    (forward only): the key loop is warp-specialized, which only the one-loop path allows."""
+    (forward only): the key loop is warp-specialized, which only the one-loop path allows.
+    float32_only: offered to float32 inputs only, which then get it alone (_prune_configs)."""
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     if warp_specialize:
         meta["WARP_SPECIALIZE"] = True
     config = triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_tile_rows)
-    config.head_dims = head_dims
+    config.head_dims, config.float32_only = head_dims, float32_only
     return config
 
 
 def _prune_configs(configs, named_args, **kwargs):
     """The configurations made for this head size, and the warp-specialized ones only for the
     forward's one-loop path (non-causal, S a multiple of 128). float32 inputs, there for checking
-    rather than speed, get the first configuration untuned: each of their compiles takes seconds."""
+    rather than speed, get one configuration untuned (each of their compiles takes seconds): the
+    float32_only one for this head size if there is one, else the first."""
     one_loop = not kwargs["CAUSAL"] and kwargs.get("EVEN_S", False)
     kept = [c for c in configs if kwargs["D"] in c.head_dims
             and (one_loop or not c.kwargs.get("WARP_SPECIALIZE", False))]
     if kwargs.get("DOT_PRECISION") == "tf32x3":  # float32 inputs (_dot_precision)
-        kept = kept[:1]
-    return kept
+        return ([c for c in kept if c.float32_only] or kept)[:1]
+    return [c for c in kept if not c.float32_only]
 
 
 # Tile shapes: each candidate was compiled for sm_90a and kept if it fits shared memory (227 KB)
@@ -1270,12 +1273,17 @@ def _prune_configs(configs, named_args, **kwargs):
 # and fails to compile a kernel with two key loops, so it serves the one-loop path: non-causal,
 # S a multiple of 128 (_prune_configs). D=128, T=4,096 and 16,384 on the H200: 4% faster than
 # the plain 128 x 64 tile; at D=64 the plain 64 x 128 tile stays 10% faster.
+# float32 at D=256 (float32 is there for checking): the 8-warp D=256 tiles compile its three-pass
+# products to wgmma, and on the H200 the dK/dV kernel then read outside shared memory
+# (compute-sanitizer). 4-warp tiles of 16 or 32 rows compile them to mma.sync and run clean, 1e-6
+# from float64 forward and 2e-6 backward; float32 inputs get those alone (float32_only).
 _FWD_CONFIGS = (
     [_config(128, 128, 4, 2, (128,), warp_specialize=True)]
     + [_config(128, 64, 4, 2), _config(64, 64, 4, 3), _config(128, 128, 8, 3, (128,))]
     + [_config(64, 128, 4, 2, (32, 64)), _config(128, 128, 4, 3, (32, 64)),
        _config(128, 64, 4, 3, (32, 64))]
     + [_config(64, n, 8, 2, (256,)) for n in (32, 64)]
+    + [_config(32, 32, 4, 2, (256,), float32_only=True)]
 )
 if INTERPRET:
     _FWD_CONFIGS = [_config(32, 16, 4, 1, HEAD_DIMS)]
@@ -1454,11 +1462,6 @@ def _check_inputs(q, k, v, causal, sm_scale):
     if q.device.type != "cuda" and not (q.device.type == "cpu" and INTERPRET):
         raise ValueError(f"flash_attention: tensors on {q.device} need a CUDA device (or, on the "
                          f"CPU, Triton's interpreter: TRITON_INTERPRET=1 before triton loads)")
-    if q.device.type == "cuda" and q.dtype == torch.float32 and D == 256:
-        # its tiles compile, and the dK/dV kernel then reads outside shared memory (in its
-        # float32 dS^T q product, by compute-sanitizer on the H200): float32 is for checking
-        raise ValueError("flash_attention: D=256 in float32 is not supported on the GPU; "
-                         "use bfloat16 or float16, or D <= 128")
     if not isinstance(causal, bool):  # a string such as "no" would be truthy
         raise TypeError(f"flash_attention: causal must be True or False, got {causal!r}")
     if sm_scale is not None:

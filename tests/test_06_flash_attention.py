@@ -127,11 +127,7 @@ def test_flash_float16(fa):
 
 
 def test_flash_head_dims_and_scale(fa):
-    for D in (128, 256):
-        if HAS_CUDA and D == 256:  # refused on the GPU (_check_inputs); bf16 runs in GPU_CASES
-            with pytest.raises(ValueError, match="D=256 in float32 is not supported on the GPU"):
-                fa.flash_attention(*make_qkv(1, 2, 1, 17, 67, D, torch.float32), causal=True)
-            continue
+    for D in (128, 256):  # (on a GPU, float32 at D=256 runs on its float32_only tiles)
         check_against_reference(fa, 1, 2, 1, 17, 67, D, True, torch.float32, F32_TOL, F32_TOL,
                                 sm_scale=0.3)
 
@@ -217,6 +213,56 @@ def test_warp_specialized_tile_copies_whole_tiles(tmp_path):
     assert "descriptor store" in lines and "2-D pointer store" not in lines, run.stdout
 
 
+# Compiles each flash kernel's float32_only tile for float32 at D=256 for sm_90 on any machine, and
+# prints the kernel's wgmma and mma.sync instructions.
+SM90_FLOAT32 = r"""
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("fa", sys.argv[1])
+fa = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fa)
+for kernel, configs in [(fa._flash_fwd_kernel, fa._FWD_CONFIGS), (fa._flash_bwd_dkdv_kernel, fa._DKDV_CONFIGS),
+                        (fa._flash_bwd_dq_kernel, fa._DQ_CONFIGS)]:
+    kernel = kernel.fn
+    (config,) = fa._prune_configs(configs, None, D=256, CAUSAL=True, DOT_PRECISION="tf32x3")
+    consts = dict(D=256, CAUSAL=True, EVEN_S=False, WARP_SPECIALIZE=False, DOT_PRECISION="tf32x3",
+                  **config.kwargs)
+    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+    sig = {name: "i32" for name in kernel.arg_names}
+    for name in kernel.arg_names:
+        if name.endswith("_desc"):  # key-side tiles take BLOCK_N rows, the rest BLOCK_M (_tile_rows)
+            rows = config.kwargs["BLOCK_N" if name in ("k_desc", "v_desc", "dk_desc", "dv_desc") else "BLOCK_M"]
+            sig[name] = "tensordesc<fp32[1, 1, %d, 256]>" % rows
+    types = dict(Q="*fp32", O="*fp32", LSE2="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
+    sig.update({name: t for name, t in types.items() if name in sig})
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    source = ASTSource(kernel, signature=sig, constexprs={
+        (kernel.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=config.num_warps, num_stages=config.num_stages)).asm["ptx"]
+    print(kernel.__name__, "wgmma", ptx.count("wgmma.mma_async"), "mma.sync", ptx.count("mma.sync"))
+"""
+
+
+def test_float32_tiles_at_d256_avoid_wgmma(tmp_path):
+    """float32 at D=256 on the 8-warp tiles compiled to wgmma products, and the dK/dV kernel then
+    read outside shared memory on the H200 (compute-sanitizer). float32 inputs get a 4-warp tile
+    of their own there (float32_only), which must compile to mma.sync, with no wgmma, in each of
+    the three kernels."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = tmp_path / "float32.py"
+    script.write_text(SM90_FLOAT32)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, str(script), str(ROOT / "06_flash_attention.py")],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = [line.split() for line in run.stdout.splitlines() if " wgmma " in line]
+    assert len(counts) == 3, run.stdout
+    assert all(int(c[2]) == 0 and int(c[4]) > 0 for c in counts), run.stdout
+
+
 def test_float32_inputs_take_one_configuration(fa):
     # float32 inputs are for checking, and each of their compiles takes seconds: every flash
     # kernel gets DOT_PRECISION, "tf32x3" for them only, and the pruning keeps their first tile
@@ -226,6 +272,11 @@ def test_float32_inputs_take_one_configuration(fa):
         assert fa._dot_precision(dtype) != "tf32x3"
     for precision, kept in (("tf32x3", tiles[:1]), ("tf32", tiles)):
         assert fa._prune_configs(tiles, None, D=64, CAUSAL=True, DOT_PRECISION=precision) == kept
+    # where their head size has a float32_only tile, they get that one, and other dtypes never do
+    f32 = fa._config(32, 16, 4, 1, (64,), float32_only=True)
+    for precision, kept in (("tf32x3", [f32]), ("tf32", tiles)):
+        assert fa._prune_configs(tiles + [f32], None, D=64, CAUSAL=True,
+                                 DOT_PRECISION=precision) == kept
 
 
 def test_fully_masked_rows_give_zero_and_no_nan(fa):
