@@ -1526,8 +1526,9 @@ def _mm(a, b, out, bias=None, pre=None, apply_gelu=False):
     a_tma, b_tma, c_tma = _tma_layout(a), _tma_layout(b), _tma_layout(out)
     programs = _INTERPRET_PROGRAMS if INTERPRET else _num_sms(a.device)
     split_tail = _few_tiles_long_k(M, N, K, programs)
-    if a_tma and b_tma and _use_tma(a):
-        layout = dict(A_T=a_tma[0], B_T=b_tma[0], C_TMA=c_tma is not None and not c_tma[0], APPLY_GELU=apply_gelu)
+    if a_tma is not None and b_tma is not None and _use_tma(a):
+        # C_TMA: out's rows are contiguous (not a transposed view), so tiles leave by TMA stores
+        layout = dict(A_T=a_tma, B_T=b_tma, C_TMA=c_tma is False, APPLY_GELU=apply_gelu)
         if split_tail:
             _mm_split_tail(a, b, out, bias, pre, programs, layout)
         else:
@@ -1990,13 +1991,13 @@ _INTERPRET_PROGRAMS = 2  # persistent programs under the interpreter (tests set 
 
 
 def _tma_layout(x):
-    """How TMA can read the 2-D operand x: (False, row stride) if its rows are contiguous,
-    (True, column stride) if its columns are (x is a transposed view), None if neither fits."""
+    """Whether TMA reads the 2-D operand x transposed: False if its rows are contiguous, True if
+    its columns are (x is a transposed view), None if TMA cannot read it."""
     if x.dtype not in (torch.float16, torch.bfloat16) or x.data_ptr() % 16:
         return None
     for transposed, unit, other in ((False, 1, 0), (True, 0, 1)):
         if x.stride(unit) == 1 and (x.stride(other) * x.element_size()) % 16 == 0 and x.stride(other) > 0:
-            return transposed, x.stride(other)
+            return transposed
     return None
 
 

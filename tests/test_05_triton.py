@@ -385,7 +385,7 @@ def tma_operands(s, gen, m, k, n, a_t, b_t, dtype, device=DEVICE):
     a = randn(gen, k, m, dtype=dtype, device=device).t() if a_t else randn(gen, m, k, dtype=dtype, device=device)
     b = (randn(gen, n, k, dtype=dtype, scale=k ** -0.5, device=device).t() if b_t
          else randn(gen, k, n, dtype=dtype, scale=k ** -0.5, device=device))
-    assert s._tma_layout(a)[0] == a_t and s._tma_layout(b)[0] == b_t
+    assert s._tma_layout(a) is a_t and s._tma_layout(b) is b_t
     return a, b
 
 

@@ -148,10 +148,9 @@ def test_warp_specialized_tile_only_on_the_one_loop_path(fa, monkeypatch):
         check_against_reference(fa, 1, 2, 1, T, S, 32, causal, torch.float32, F32_TOL, F32_TOL)
 
 
-# Compiles the stage's warp-specialized forward tiles for an H100/H200 (sm_90) on any machine:
-# TTGIR needs no GPU. Prints, per TMA copy, the elements of the descriptor's tile and of the
-# shared-memory buffer it fills.
-SM90_COPIES = r"""
+# Scripts that compile the flash kernels for an H100/H200 (sm_90) on any machine (TTGIR and PTX
+# need no GPU), each run on 06 in a process of its own (compile_for_sm90).
+SM90_PRELUDE = r"""
 import importlib.util, math, re, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -160,24 +159,35 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 spec = importlib.util.spec_from_file_location("fa", sys.argv[1])
 fa = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fa)
-kernel = fa._flash_fwd_kernel.fn
-for config in [c for c in fa._FWD_CONFIGS if c.kwargs.get("WARP_SPECIALIZE")]:
-    D = max(config.head_dims)
-    consts = dict(config.kwargs, D=D, CAUSAL=False, EVEN_S=True, DOT_PRECISION="tf32")
-    x = torch.empty(1, 1, 128, D, dtype=torch.bfloat16)
+
+
+def compile_sm90(kernel, config, consts, dtype):
+    # kernel compiled for sm_90 with config, the constexprs in consts and tensors of dtype ("bf16"
+    # or "fp32"); each descriptor's tile as the config's pre_hook (_tile_rows) sets it at launch
+    D = consts["D"]
+    x = torch.empty(1, 1, 128, D, dtype=dict(bf16=torch.bfloat16, fp32=torch.float32)[dtype])
     args = {name: TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 1, D])
             for name in kernel.arg_names if name.endswith("_desc")}
-    config.pre_hook({**args, **consts})  # _tile_rows: each descriptor's tile
+    consts = {k: v for k, v in dict(consts, **config.kwargs).items() if k in kernel.arg_names}
+    config.pre_hook({**args, **consts})
     sig = {name: "i32" for name in kernel.arg_names}
-    sig.update({name: "tensordesc<bf16[%s]>" % ", ".join(map(str, d.block_shape))
+    sig.update({name: "tensordesc<%s[%s]>" % (dtype, ", ".join(map(str, d.block_shape)))
                 for name, d in args.items()})
-    types = dict(Q="*bf16", O="*bf16", LSE2="*fp32", qk_scale="fp32")
+    types = dict(Q="*" + dtype, O="*" + dtype, LSE2="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
     sig.update({name: t for name, t in types.items() if name in sig})
     sig.update(dict.fromkeys(consts, "constexpr"))
     source = ASTSource(kernel, signature=sig, constexprs={
         (kernel.arg_names.index(k),): v for k, v in consts.items()})
-    ttgir = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=config.num_warps, num_stages=config.num_stages)).asm["ttgir"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=config.num_warps, num_stages=config.num_stages))
+"""
+# The warp-specialized forward tiles: prints, per TMA copy, the elements of the descriptor's tile
+# and of the shared-memory buffer it fills, and how the output leaves.
+SM90_COPIES = SM90_PRELUDE + r"""
+kernel = fa._flash_fwd_kernel.fn
+for config in [c for c in fa._FWD_CONFIGS if c.kwargs.get("WARP_SPECIALIZE")]:
+    consts = dict(D=max(config.head_dims), CAUSAL=False, EVEN_S=True, DOT_PRECISION="tf32")
+    ttgir = compile_sm90(kernel, config, consts, "bf16").asm["ttgir"]
     print(config, "warp_specialize", "ttg.warp_specialize" in ttgir)
     for line in ttgir.splitlines():
         if "async_tma_copy_global_to_local" in line:
@@ -191,6 +201,19 @@ for config in [c for c in fa._FWD_CONFIGS if c.kwargs.get("WARP_SPECIALIZE")]:
 """
 
 
+def compile_for_sm90(tmp_path, script_text):
+    """Run one of the SM90_ scripts on 06 in a fresh process, Triton's interpreter off (it
+    compiles for sm_90 without a GPU); its stdout."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = tmp_path / "sm90.py"
+    script.write_text(script_text)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, str(script), str(ROOT / "06_flash_attention.py")],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 def test_warp_specialized_tile_copies_whole_tiles(tmp_path):
     """Triton 3.6 splits a warp-specialized tile's query block between two consumer warpgroups
     and copies each half through the query's descriptor. A host-built descriptor keeps the whole
@@ -198,51 +221,23 @@ def test_warp_specialized_tile_copies_whole_tiles(tmp_path):
     the GPU (seen on the H200; Triton 3.8 refuses to compile it). Each TMA copy of the compiled
     forward must fill exactly its buffer. Its output, split the same way, gave wrong rows and an
     illegal address through a masked pointer store: it must leave through a descriptor store."""
-    pytest.importorskip("triton.backends.nvidia")
-    script = tmp_path / "copies.py"
-    script.write_text(SM90_COPIES)
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, str(script), str(ROOT / "06_flash_attention.py")],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert any(line.endswith("warp_specialize True") for line in lines), run.stdout
+    stdout = compile_for_sm90(tmp_path, SM90_COPIES)
+    lines = stdout.splitlines()
+    assert any(line.endswith("warp_specialize True") for line in lines), stdout
     copies = [tuple(map(int, line.split()[1:])) for line in lines if line.startswith("copy ")]
-    assert len(copies) >= 3, run.stdout  # the query's, a key's and a value's
-    assert all(tile == buffer for tile, buffer in copies), run.stdout
-    assert "descriptor store" in lines and "2-D pointer store" not in lines, run.stdout
+    assert len(copies) >= 3, stdout  # the query's, a key's and a value's
+    assert all(tile == buffer for tile, buffer in copies), stdout
+    assert "descriptor store" in lines and "2-D pointer store" not in lines, stdout
 
 
-# Compiles each flash kernel's float32_only tile for float32 at D=256 for sm_90 on any machine, and
-# prints the kernel's wgmma and mma.sync instructions.
-SM90_FLOAT32 = r"""
-import importlib.util, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-spec = importlib.util.spec_from_file_location("fa", sys.argv[1])
-fa = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fa)
+# Each flash kernel's float32 tile at D=256: prints its wgmma and mma.sync instructions.
+SM90_FLOAT32 = SM90_PRELUDE + r"""
 for kernel, configs in [(fa._flash_fwd_kernel, fa._FWD_CONFIGS), (fa._flash_bwd_dkdv_kernel, fa._DKDV_CONFIGS),
                         (fa._flash_bwd_dq_kernel, fa._DQ_CONFIGS)]:
-    kernel = kernel.fn
     (config,) = fa._prune_configs(configs, None, D=256, CAUSAL=True, DOT_PRECISION="tf32x3")
-    consts = dict(D=256, CAUSAL=True, EVEN_S=False, WARP_SPECIALIZE=False, DOT_PRECISION="tf32x3",
-                  **config.kwargs)
-    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-    sig = {name: "i32" for name in kernel.arg_names}
-    for name in kernel.arg_names:
-        if name.endswith("_desc"):  # key-side tiles take BLOCK_N rows, the rest BLOCK_M (_tile_rows)
-            rows = config.kwargs["BLOCK_N" if name in ("k_desc", "v_desc", "dk_desc", "dv_desc") else "BLOCK_M"]
-            sig[name] = "tensordesc<fp32[1, 1, %d, 256]>" % rows
-    types = dict(Q="*fp32", O="*fp32", LSE2="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
-    sig.update({name: t for name, t in types.items() if name in sig})
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    source = ASTSource(kernel, signature=sig, constexprs={
-        (kernel.arg_names.index(k),): v for k, v in consts.items()})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=config.num_warps, num_stages=config.num_stages)).asm["ptx"]
-    print(kernel.__name__, "wgmma", ptx.count("wgmma.mma_async"), "mma.sync", ptx.count("mma.sync"))
+    consts = dict(D=256, CAUSAL=True, EVEN_S=False, WARP_SPECIALIZE=False, DOT_PRECISION="tf32x3")
+    ptx = compile_sm90(kernel.fn, config, consts, "fp32").asm["ptx"]
+    print(kernel.fn.__name__, "wgmma", ptx.count("wgmma.mma_async"), "mma.sync", ptx.count("mma.sync"))
 """
 
 
@@ -251,16 +246,10 @@ def test_float32_tiles_at_d256_avoid_wgmma(tmp_path):
     read outside shared memory on the H200 (compute-sanitizer). float32 inputs get a 4-warp tile
     of their own there (float32_only), which must compile to mma.sync, with no wgmma, in each of
     the three kernels."""
-    pytest.importorskip("triton.backends.nvidia")
-    script = tmp_path / "float32.py"
-    script.write_text(SM90_FLOAT32)
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, str(script), str(ROOT / "06_flash_attention.py")],
-                         capture_output=True, text=True, env=env, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = [line.split() for line in run.stdout.splitlines() if " wgmma " in line]
-    assert len(counts) == 3, run.stdout
-    assert all(int(c[2]) == 0 and int(c[4]) > 0 for c in counts), run.stdout
+    stdout = compile_for_sm90(tmp_path, SM90_FLOAT32)
+    counts = [line.split() for line in stdout.splitlines() if " wgmma " in line]
+    assert len(counts) == 3, stdout
+    assert all(int(c[2]) == 0 and int(c[4]) > 0 for c in counts), stdout
 
 
 def test_float32_inputs_take_one_configuration(fa):
