@@ -458,6 +458,24 @@ def test_matmul_tma_candidates(s):
     assert kept(100, 200, 4096) == [(128, 256), (128, 128), (64, 128)]
 
 
+def test_float32_products_take_one_tile(s):
+    # the pointer kernel's candidates: bf16 tunes every fitting tile; float32 ("ieee" products)
+    # takes one, the last that fits, so a float32 GPT does not compile every tile in every
+    # specialization before its first step
+    import triton
+    tiles = [(128, 256), (256, 128), (128, 128), (64, 128), (128, 64)]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "GROUP_M": 8}) for m, n in tiles]
+
+    def kept(m, n, precision):
+        pruned = s._prune_matmul_configs(configs, {"M": m, "N": n, "K": 64}, DOT_PRECISION=precision)
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in pruned]
+    assert kept(4096, 4096, "tf32") == tiles
+    assert kept(4096, 4096, "ieee") == [(128, 64)]
+    assert kept(40, 100, "tf32") == [(64, 128)]  # the only tile within twice the problem
+    assert kept(40, 100, "ieee") == [(64, 128)]
+    assert kept(8, 8, "ieee") == [(64, 128)]  # nothing fits: the smallest tile (first of equals)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_pads_unaligned_rows(s, gen, dtype):
     # 47 values a row are not a whole number of 16-byte units: the caller gets a contiguous
