@@ -4392,10 +4392,20 @@ class Scheduler:
                 if reason is not None:
                     if reason == "stop" and not self._grammar_finished(seq):
                         seq.stop_token_id = token
+                    self._cache_last_blocks(seq)
                     self.finish(seq, reason)
                     break
             advanced.append(seq)
         return advanced
+
+    def _cache_last_blocks(self, seq):
+        """Register the blocks filled by the step that ends seq, before finish frees them:
+        register_computed comes after postprocess and skips finished sequences, so a prompt
+        whose request ends at its first token would never be found by the next one."""
+        blocks, table = self.block_manager, seq.block_table
+        first = next((i for i, block in enumerate(table) if blocks.hashes[block] is None), len(table))
+        end = seq.num_computed_tokens  # (rejected drafts were taken off above)
+        blocks.cache_full_blocks(table, seq.token_ids, min(first * self.block_size, end), end)
 
     def register_computed(self, spans):
         """Blocks that a step filled become reusable by later prompts (prefix caching). spans:

@@ -2765,6 +2765,27 @@ def test_prefix_caching_reuses_a_shared_prompt(q7, hf_dir):
     assert blocks.prefix_hit_rate == 8 / 12
 
 
+def test_prefix_caching_keeps_the_blocks_of_a_request_s_last_step(q7, hf_dir):
+    """The blocks filled by the step that ends a request are cached too: a prompt whose request
+    ends at its first token (max_tokens 1), and the block that a request's last decode fills."""
+    hf, folder = hf_dir
+    model = q7.load_qwen3(folder, device="cpu")
+    llm = q7.LLM(model, max_model_len=40, block_size=4)
+    blocks = llm.engine.block_manager
+    prompt = random_ids(14, seed=32)
+    greedy = lambda n: q7.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    llm.generate([prompt], greedy(1))
+    blocks.reset_stats()
+    out = llm.generate([prompt], greedy(3))[0]  # its 3 full blocks were cached by the first
+    assert blocks.prefix_hit_rate == 12 / 14
+    assert out.token_ids == hf_greedy(hf, prompt, 3)
+    # that request's last decode computed position 15, which filled its 4th block
+    longer = prompt + out.token_ids[:2] + random_ids(3, seed=33)
+    blocks.reset_stats()
+    assert llm.generate([longer], greedy(2))[0].token_ids == hf_greedy(hf, longer, 2)
+    assert blocks.prefix_hit_rate == 16 / 19
+
+
 def test_speculation_follows_its_acceptance(q7, hf_dir):
     """n-gram speculation on a prompt whose greedy continuation repeats itself (this tiny model
     writes one token 34 times after it: lookup finds the run) accepts most of what it proposes;

@@ -851,7 +851,13 @@ def test_metrics_count_what_was_served(client, llm, server):
     assert after["serve_num_requests_running"] == after["serve_num_requests_waiting"] == 0
     assert after["serve_kv_cache_blocks_used"] == 0
     assert after["serve_kv_cache_blocks_total"] == llm.engine.block_manager.num_blocks
-    assert after["serve_prefix_cache_hit_rate"] > 0  # the second choice found the first's prompt
+    # a prompt of a few blocks, sent twice, finds its blocks cached the second time (the prompt
+    # above is shorter than a block, and only full blocks are cached)
+    long_prompt = " ".join([PROMPTS[2]] * 12)
+    for _ in range(2):
+        client.post("/v1/completions", {"prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+    assert server.wait_idle(10)
+    assert scrape(client)["serve_prefix_cache_hit_rate"] > 0
 
 
 def read_stream(sock_file, events):
