@@ -1102,6 +1102,65 @@ def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, l
         d.write(0.0)
 
 
+def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
+    """Delivery.due: a stream's first replies are taken at once, the next ones when its next
+    write is due, or as soon as its end is queued. Replies of several steps taken together give
+    the text and logprobs that taking them one by one gives, a stop string across them included,
+    and the stop is reported once."""
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("Every effort moves you forward, \u20ac5 at a time, all day")
+    stop_at = "\u20ac5 at"
+
+    def new_delivery():
+        body = {"prompt": "x", "max_tokens": len(ids), "stream": True, "logprobs": 1,
+                "stop": [stop_at]}
+        request = q8.generation_request(body, False, tokenizer, llm.model.cfg.vocab_size)
+        answer = q8.Answer(request, "m", tokenizer.token_bytes)
+        choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
+        job = q8.Job(answer.id, request.prompts, request.params)
+        return q8.Delivery(job, answer, choices, [], StallingSocket([]), True, 1.0, 10.0), job
+
+    def reply(i):  # step i's reply: token i, its logprob, "length" on the last
+        return ("tokens", 0, [ids[i]], [{ids[i]: -0.1 * i}], "length" if i == len(ids) - 1 else None,
+                None)
+
+    # one by one: the text and logprob entries a token at a time
+    one, job = new_delivery()
+    stops = []
+    for i in range(len(ids)):
+        job.replies.put(reply(i))
+        one.take(stops.append)
+    assert stops == [0] and one.choices[0].finish_reason == "stop"
+    expected = tokenizer.decode(ids)
+    assert "".join(one.choices[0].pieces) == expected[:expected.index(stop_at)]
+
+    d, job = new_delivery()
+    assert d.due(0.0)  # the first write is due at once
+    job.replies.put(reply(0))
+    d.take(pytest.fail)
+    d.write(0.0)  # next write at 1.0
+    stops = []
+    for i in range(1, len(ids) - 1):  # all but the last, which ends the engine's request
+        assert not d.due(0.5)  # replies wait for the write
+        job.replies.put(reply(i))
+    assert d.due(1.0)
+    d.take(stops.append)
+    assert stops == [0] and d.choices[0].finish_reason == "stop"
+    job.replies.put(reply(len(ids) - 1))
+    d.take(stops.append)
+    assert stops == [0]
+    assert d.choices[0].pieces[0] + d.choices[0].pieces[1] == "".join(one.choices[0].pieces)
+    assert d.choices[0].entries == one.choices[0].entries and d.choices[0].num_tokens == one.choices[0].num_tokens
+
+    d, job = new_delivery()
+    job.replies.put(reply(0))
+    d.take(pytest.fail)
+    d.write(0.0)
+    job.replies.put(reply(1))
+    job.ending = True  # (the engine thread's mark: a choice's last reply is queued)
+    assert d.due(0.5)
+
+
 def test_speculative_decoding_across_concurrent_requests(q8, checkpoint, reference):
     """n-gram speculation on, 8 concurrent greedy streams of repetitive prompts: the outputs of
     plain decoding, and drafts were proposed and accepted along the way."""
