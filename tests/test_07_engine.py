@@ -1115,8 +1115,10 @@ def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
     for ours, theirs in zip(outputs, expected):
         assert ours.token_ids == theirs.token_ids and ours.finish_reason == theirs.finish_reason
         assert (ours.logprobs is None) == (theirs.logprobs is None)
+        # equal up to float32 rounding: the two loops batch their steps differently, so sums
+        # run in another order (one logprob 1.2e-6 apart under numpy 2.4.6's interpreter)
         for a, b in zip(ours.logprobs or (), theirs.logprobs or ()):
-            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)
+            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a)
     assert overlapped.generate(prompts[:1], params[0])[0].token_ids == expected[0].token_ids
 
 
