@@ -1108,8 +1108,8 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
     the text and logprobs that taking them one by one gives, a stop string across them included,
     and the stop is reported once."""
     tokenizer = llm.tokenizer
-    ids = tokenizer.encode("Every effort moves you forward, \u20ac5 at a time, all day")
-    stop_at = "\u20ac5 at"
+    ids = tokenizer.encode("Every effort moves you forward, €5 at a time, all day")
+    stop_at = "€5 at"
 
     def new_delivery():
         body = {"prompt": "x", "max_tokens": len(ids), "stream": True, "logprobs": 1,
@@ -1121,8 +1121,8 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
         return q8.Delivery(job, answer, choices, [], StallingSocket([]), True, 1.0, 10.0), job
 
     def reply(i):  # step i's reply: token i, its logprob, "length" on the last
-        return ("tokens", 0, [ids[i]], [{ids[i]: -0.1 * i}], "length" if i == len(ids) - 1 else None,
-                None)
+        last = i == len(ids) - 1
+        return ("tokens", 0, [ids[i]], [{ids[i]: -0.1 * i}], "length" if last else None, None)
 
     # one by one: the text and logprob entries a token at a time
     one, job = new_delivery()
@@ -1149,8 +1149,9 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
     job.replies.put(reply(len(ids) - 1))
     d.take(stops.append)
     assert stops == [0]
-    assert d.choices[0].pieces[0] + d.choices[0].pieces[1] == "".join(one.choices[0].pieces)
-    assert d.choices[0].entries == one.choices[0].entries and d.choices[0].num_tokens == one.choices[0].num_tokens
+    merged, single = d.choices[0], one.choices[0]
+    assert "".join(merged.pieces) == "".join(single.pieces) and len(merged.pieces) == 2
+    assert merged.entries == single.entries and merged.num_tokens == single.num_tokens
 
     d, job = new_delivery()
     job.replies.put(reply(0))
