@@ -2874,19 +2874,22 @@ class SamplingBatch:
         # every row's values in one (7, B) table, sent to the device in one copy from pinned
         # memory: a copy from pageable memory would wait for the GPU's queue, and the engine
         # builds a batch each step while the GPU runs the last one
-        rows = rows or [sampling_row(p, vocab_size) for p in params]
-        table = torch.tensor(rows).T  # (7, B)
+        table = np.array(rows or [sampling_row(p, vocab_size) for p in params],
+                         dtype=np.float32).T  # (7, B): numpy's, 4x faster than torch.tensor's
+        temperature, top_p, min_p, repetition, presence, frequency, top_k = table
+        # which stages the batch needs, decided here on the host (from the values the device
+        # gets): a greedy batch skips the sort of 151,936 logits a row, a batch without
+        # penalties their (B, V) bookkeeping
+        self.all_greedy = bool((temperature < GREEDY_BELOW).all())
+        self.filters = bool(((top_k < vocab_size) | (top_p < 1) | (min_p > 0)).any())
+        self.penalties = bool(((repetition != 1) | (presence != 0) | (frequency != 0)).any())
+        table = torch.from_numpy(np.ascontiguousarray(table))
         if torch.device(device).type == "cuda":
             table = table.pin_memory().to(device, non_blocking=True)
         (self.temperature, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
          self.frequency_penalty, top_k) = table
         self.top_k = top_k.long()
         self.greedy = self.temperature < GREEDY_BELOW  # (B,) bool
-        # which stages the batch needs, decided here on the host: a greedy batch skips the sort
-        # of 151,936 logits a row, a batch without penalties their (B, V) bookkeeping
-        self.all_greedy = all(p.temperature < GREEDY_BELOW for p in params)
-        self.filters = any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params)
-        self.penalties = any(p.has_penalties for p in params)
         self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if generators is None:
             generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed)
@@ -4576,20 +4579,21 @@ class ModelRunner:
         table_array = np.zeros((len(lengths), max(map(len, tables))), dtype=np.int32)
         for row, table in enumerate(tables):
             table_array[row, :len(table)] = table
-        ids_d = self._to_device(ids, torch.int64)
+        # two copies to the device, of the int64 inputs and of the int32 ones, not one an input:
+        # a copy costs the host ~30 us (pinning, launching it), and the host builds a step while
+        # the GPU runs the last one (64 decodes, H200: 91 us for the two, 245 for nine)
+        dst, src = zip(*pending) if pending else ((), ())
+        ids_d, positions_d, slots_d, rows_d, dst, src = self._ints_to_device(
+            torch.int64, ids, positions, slots, sample_rows, dst, src)
+        cu_d, lengths_d, tables_d = self._ints_to_device(torch.int32, cu, lengths,
+                                                         table_array.ravel())
         if pending:
-            dst, src = zip(*pending)
-            src = self._to_device(src, torch.int64)
-            ids_d[self._to_device(dst, torch.int64)] = previous_tokens[src]
-        rows_d = self._to_device(sample_rows, torch.int64)
+            ids_d[dst] = previous_tokens[src]
         meta = AttentionMetadata(
-            slots=self._to_device(slots, torch.int64),
-            cu_seqlens_q=self._to_device(cu, torch.int32),
-            lengths=self._to_device(lengths, torch.int32),
-            block_tables=self._to_device(table_array, torch.int32),
+            slots=slots_d, cu_seqlens_q=cu_d, lengths=lengths_d,
+            block_tables=tables_d.view(table_array.shape),
             max_q_len=max(len(e[0]) for e in entries), max_len=table_array.shape[1] * bs,
             sample_rows=rows_d)
-        positions_d = self._to_device(positions, torch.int64)
         if not graphed:
             return forward_packed(self.model, ids_d, positions_d, self.kv, meta, self.attention)
         if not decode:  # the output layer on the rows that sample, outside the graph
@@ -4674,6 +4678,16 @@ class ModelRunner:
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _ints_to_device(self, dtype, *arrays):
+        """Host lists or arrays of ints, one dimension each, on the device in one copy: views of
+        one tensor."""
+        sizes = [len(a) for a in arrays]
+        packed, at = np.empty(sum(sizes), dtype=np.int64), 0
+        for a, size in zip(arrays, sizes):
+            packed[at:at + size] = a
+            at += size
+        return self._to_device(packed, dtype).split(sizes)
 
     def _read_back(self, tokens, logprobs):
         """Start copying the sampled tokens (and logprobs) to the host; the function returned waits
