@@ -1626,6 +1626,38 @@ def test_send_requests_runs_only_its_clients(q8, monkeypatch):
     assert seconds >= 0.2  # client 2 starts 2 * 0.3 / 3 s in
 
 
+
+def test_offline_ttft_runs_the_clients_on_the_engine(q8):
+    """The engine alone under send_requests' clients (a tiny CPU model): three clients, two
+    prompts each, spread = 0.6 s. Client i's first prompt arrives i * 0.2 s in, its second the
+    moment the first ends; every request has its first token after it arrives and ends later
+    (4 tokens), each with the output a lone LLM.generate gives it (greedy), and the engine is
+    left with every KV block free."""
+    cfg = q8.Qwen3Config.tiny()
+    llm = q8.LLM(q8.random_model(cfg, torch.device("cpu"), torch.float32), max_model_len=64)
+    prompts = q8.random_prompts(cfg.vocab_size, [8, 5, 11, 7, 9, 6], seed=4)
+    params = q8.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs, advance = {}, llm.engine.advance
+
+    def watched():  # the output of each request as it ends
+        seqs = advance()
+        outputs.update((seq.request_id, seq.output_token_ids) for seq in seqs if seq.is_finished)
+        return seqs
+    llm.engine.advance = watched
+    times = q8.offline_ttft(llm, prompts, params, 3, spread=0.6)
+    assert len(times) == 6
+    for i, (arrival, first, end) in enumerate(times):
+        assert arrival < first < end, (i, times[i])
+    for client in range(3):
+        assert times[client][0] == pytest.approx(0.2 * client, abs=1e-9)
+        assert times[client + 3][0] == times[client][2]  # sent when the first one ended
+    assert not llm.engine.has_unfinished()
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+    del llm.engine.advance
+    alone = llm.generate(prompts, params)
+    assert [outputs[f"ttft-{i}"] for i in range(6)] == [out.token_ids for out in alone]
+
 BAD_FLAGS = [
     (["--port", "70000"], "--port: must be a port number from 0 to 65535"),
     (["--port", "-1"], "--port: must be a port number"),
