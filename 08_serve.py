@@ -7159,7 +7159,9 @@ def offline_ttft(llm, prompts, params, concurrency, spread=0.0):
     / concurrency seconds in; a request that arrives during a step is added before the next, as
     the server's engine thread takes its commands. Returns per prompt (arrival, first token,
     end), seconds from the start: the server's TTFT without the HTTP, and without the engine
-    thread's chores (commands, deliveries) between its steps."""
+    thread's chores (commands, deliveries) between its steps. A client's next prompt arrives
+    between two steps here, the moment its last one ended; over HTTP it arrives a little later,
+    during the next step, and waits for that step to end too."""
     engine, start = llm.engine, time.perf_counter()
     clients = range(min(concurrency, len(prompts)))
     due = {c: start + c * spread / concurrency for c in clients}  # client -> its next arrival
