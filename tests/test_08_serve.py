@@ -1626,7 +1626,6 @@ def test_send_requests_runs_only_its_clients(q8, monkeypatch):
     assert seconds >= 0.2  # client 2 starts 2 * 0.3 / 3 s in
 
 
-
 def test_offline_ttft_runs_the_clients_on_the_engine(q8):
     """The engine alone under send_requests' clients (a tiny CPU model): three clients, two
     prompts each, spread = 0.6 s. Client i's first prompt arrives i * 0.2 s in, its second the
@@ -1657,6 +1656,7 @@ def test_offline_ttft_runs_the_clients_on_the_engine(q8):
     del llm.engine.advance
     alone = llm.generate(prompts, params)
     assert [outputs[f"ttft-{i}"] for i in range(6)] == [out.token_ids for out in alone]
+
 
 BAD_FLAGS = [
     (["--port", "70000"], "--port: must be a port number from 0 to 65535"),
