@@ -7163,29 +7163,27 @@ def offline_ttft(llm, prompts, params, concurrency, spread=0.0):
     between two steps here, the moment its last one ended; over HTTP it arrives a little later,
     during the next step, and waits for that step to end too."""
     engine, start = llm.engine, time.perf_counter()
-    clients = range(min(concurrency, len(prompts)))
-    due = {c: start + c * spread / concurrency for c in clients}  # client -> its next arrival
-    sends = {c: c for c in clients}  # client -> the prompt it sends next
-    times, prompt_of = [None] * len(prompts), {}  # prompt_of: request id -> prompt index
+    # client -> (when its next prompt arrives, which one); a request's id is its prompt's index
+    due = {c: (start + c * spread / concurrency, c) for c in range(min(concurrency, len(prompts)))}
+    times = [None] * len(prompts)  # per prompt: [arrival, first token, end]
     while due or engine.has_unfinished():
         now = time.perf_counter()
-        for client, at in list(due.items()):
+        for client, (at, i) in list(due.items()):
             if at <= now:
-                i = sends[client]
-                engine.add_request(f"ttft-{i}", prompts[i], params)
-                prompt_of[f"ttft-{i}"], times[i] = i, [at, None, None]
+                engine.add_request(i, prompts[i], params)
+                times[i] = [at, None, None]
                 del due[client]
         if not engine.has_unfinished():  # (clients yet to start)
-            time.sleep(max(0.0, min(due.values()) - time.perf_counter()))
+            time.sleep(max(0.0, min(at for at, _ in due.values()) - time.perf_counter()))
             continue
         for seq in engine.advance():
-            now, i = time.perf_counter(), prompt_of[seq.request_id]
+            now, i = time.perf_counter(), seq.request_id
             if times[i][1] is None:
                 times[i][1] = now
             if seq.is_finished:
                 times[i][2] = now
                 if i + concurrency < len(prompts):  # the client's next prompt, at once
-                    sends[i % concurrency], due[i % concurrency] = i + concurrency, now
+                    due[i % concurrency] = (now, i + concurrency)
     return [(a - start, f - start, e - start) for a, f, e in times]
 
 
