@@ -527,13 +527,17 @@ def _split_pattern(spec, source):
     return f"(?:{regex})|(?:(?!{regex})[\\s\\S])+"
 
 
+def _as_is(text):  # (a named function, not a lambda: a tokenizer pickles, for 08's server)
+    return text
+
+
 def _normalizer(spec, source):
     """The function the tokenizer applies to text before splitting it: nothing, or NFC. NFC here
     is Python's unicodedata, whose tables are newer than tokenizers' (which predate Unicode 10):
     combining marks assigned since then, rare in any text, may be ordered differently."""
     normalizer = spec.get("normalizer")
     if normalizer is None:
-        return lambda text: text
+        return _as_is
     if normalizer.get("type") == "NFC":
         return functools.partial(unicodedata.normalize, "NFC")
     raise DataError(f"{source}: normalizer {normalizer} is not supported (only none or NFC)")
@@ -678,6 +682,10 @@ def load_tokenizer(model_dir):
                      _chat_template(model_dir, tok_config))
 
 
+def _one_piece(text):
+    return [text]
+
+
 class Tokenizer:
     """Text <-> ids for one model, the same ids as Hugging Face tokenizers' on every text.
 
@@ -703,7 +711,7 @@ class Tokenizer:
         longest comes first in the alternation: at one position the longest wins, as in
         tokenizers."""
         if not tokens:
-            return lambda text: [text]
+            return _one_piece
         alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
         return re.compile(f"({alternation})").split  # the group keeps the tokens in the list
 

@@ -52,6 +52,7 @@ import base64
 import bisect
 import codecs
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -60,12 +61,14 @@ import json
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import numbers
 import os
 import queue
 import re
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -491,13 +494,17 @@ def _split_pattern(spec, source):
     return f"(?:{regex})|(?:(?!{regex})[\\s\\S])+"
 
 
+def _as_is(text):  # (a named function, not a lambda: a tokenizer pickles, for 08's server)
+    return text
+
+
 def _normalizer(spec, source):
     """The function the tokenizer applies to text before splitting it: nothing, or NFC. NFC here
     is Python's unicodedata, whose tables are newer than tokenizers' (which predate Unicode 10):
     combining marks assigned since then, rare in any text, may be ordered differently."""
     normalizer = spec.get("normalizer")
     if normalizer is None:
-        return lambda text: text
+        return _as_is
     if normalizer.get("type") == "NFC":
         return functools.partial(unicodedata.normalize, "NFC")
     raise DataError(f"{source}: normalizer {normalizer} is not supported (only none or NFC)")
@@ -642,6 +649,10 @@ def load_tokenizer(model_dir):
                      _chat_template(model_dir, tok_config))
 
 
+def _one_piece(text):
+    return [text]
+
+
 class Tokenizer:
     """Text <-> ids for one model, the same ids as Hugging Face tokenizers' on every text.
 
@@ -667,7 +678,7 @@ class Tokenizer:
         longest comes first in the alternation: at one position the longest wins, as in
         tokenizers."""
         if not tokens:
-            return lambda text: [text]
+            return _one_piece
         alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
         return re.compile(f"({alternation})").split  # the group keeps the tokens in the list
 
@@ -5595,26 +5606,29 @@ def chat_logprobs_asked(body):
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 36. The server: one engine thread
+# Chapter 36. The server: two processes, one engine thread
 # ----------------------------------------------------------------------------------------------
 # NEW in stage 08. The HTTP server gives each connection a thread, and many of them wait for
 # tokens at once; the engine is not thread-safe and should not be: one engine thread owns it
-# and alone calls add, abort and step. An HTTP thread hands it a Job (the request's choices)
-# through a queue of commands and waits on the Job's own queue of replies: "accepted" or
-# "refused" first (the engine's ValueError, answered 400 before any byte of a response), then
-# each step's new tokens of each choice. The engine thread blocks while it has nothing to do,
-# and steps while it has; after a step it forwards to each request the tokens past the count it
-# forwarded before (a step makes one token a sequence, or several under speculation), never
-# the whole output again.
+# and alone calls add, abort and step. Python runs one thread of a process at a time (the
+# interpreter lock, GIL), so the HTTP side runs in a process of its own, as vLLM's API server
+# does: the engine thread then has its process to itself. With the HTTP in the engine's process,
+# each HTTP thread that took the lock kept the engine thread waiting between its steps (H200,
+# bench_serve's workload: p99 time to first token at 64 streams, arrivals spread, 13-24 ms,
+# 2.5-3.8x concurrency 1's; with the HTTP in a process of its own, 9.7-11 ms, 1.7-2.2x).
 #
-# Once a request is accepted, the engine thread also turns its tokens into text and writes a
-# stream's chunks (a Delivery), while the GPU runs the step it has just launched; the HTTP
-# thread sleeps until the answer is done. Every thread shares one interpreter lock (the GIL):
-# with 64 HTTP threads each waking for its own stream's tokens, the engine thread waited for
-# the lock between its steps, and the server streamed 40% of the tokens/s the engine makes
-# alone (H200, bench_serve; vLLM runs its engine in a process of its own for this reason). A
-# client gone (a failed write, or a closed socket, which the engine thread looks for every
-# POLL_SECONDS) has its request aborted before the next step: its blocks are free at once.
+# One pipe joins the two (a socket pair; each message a pickle):
+# - HTTP process -> engine: ("add", job id, [(engine request id, prompt ids, SamplingParams as a
+#   dict)]), ("abort", [engine request ids]), ("idle", whether it has no request open), and
+#   ("ready",) once it has the tokenizer.
+# - engine -> HTTP process: ("ready", tokenizer, max_model_len, vocab_size), ("load failed",
+#   message), ("stop",), and after each step one ("events", [...], the engine's state), the
+#   events being ("accepted", job id), ("refused", job id, message), ("failed", job id,
+#   status, message) and ("tokens", engine request id, new token ids, their logprobs,
+#   finish_reason or None, the eos or stop id that ended it or None): a step's new tokens, never
+#   the whole output again.
+# Only plain data crosses from the HTTP side (lists, dicts, strings, numbers), so that the
+# engine's process can read it whatever name it gave this file's module.
 
 class Job:
     """One HTTP request's choices, each an engine request, and the queue of what comes back:
@@ -5623,6 +5637,7 @@ class Job:
     message)."""
 
     def __init__(self, request_id, prompts, params):
+        self.id = request_id  # (the engine's request ids are this id, "-", the choice's index)
         self.n = len(params) // len(prompts)  # choices a prompt
         self.requests = [(f"{request_id}-{i}", prompts[i // self.n], p)
                          for i, p in enumerate(params)]
@@ -5633,7 +5648,7 @@ class Job:
 
 @dataclass(eq=False)
 class Choice:
-    """The engine thread's record of one live engine request."""
+    """The HTTP process's record of one live engine request."""
     job: Job
     index: int  # in job.requests
     sent: int = 0  # output tokens forwarded so far
@@ -5642,26 +5657,180 @@ class Choice:
 
 
 class EngineThread:
-    """The thread that owns an LLM's engine (see above). Commands: add(job), deliver(job,
-    delivery), abort(job, choices, reason), stop(). wait_idle() waits until the engine has no
-    request left, no command is waiting and no delivery is open: for tests and benches, which
-    then read the engine's state."""
+    """The thread that owns an LLM's engine, in the process that holds the model: it takes the
+    HTTP process's commands from `conn`, steps while the engine has work, and sends each step's
+    events back in one message. live: engine request id -> [its job's id, output tokens sent],
+    until it ends. wait_idle() waits until neither side has a request open: for tests and benches, which then
+    read the engine's state."""
 
-    def __init__(self, llm, metrics):
-        self.engine, self.metrics = llm.engine, metrics
+    def __init__(self, llm, conn, send, on_ready):
+        self.engine, self.conn, self.send, self.on_ready = llm.engine, conn, send, on_ready
+        self.live = {}
+        self.http_idle, self.stopping = True, threading.Event()
+        self.wake_reader, self.wake_writer = socket.socketpair()  # (stop() wakes a blocked wait)
+        self.idle, self.idle_changed = False, threading.Condition()
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout):
+        """Fail every open job (503), tell the HTTP process to stop, and end the thread."""
+        self.stopping.set()
+        with contextlib.suppress(OSError):
+            self.wake_writer.send(b"x")
+        self.thread.join(timeout)
+
+    def wait_idle(self, timeout=None):
+        with self.idle_changed:
+            return self.idle_changed.wait_for(lambda: self.idle, timeout)
+
+    def _set_idle(self, idle):
+        with self.idle_changed:
+            self.idle = idle
+            self.idle_changed.notify_all()
+
+    def run(self):
+        with torch.inference_mode():  # (grad mode is per thread)
+            while not self.stopping.is_set():
+                events = []
+                try:
+                    commands = self._next_commands()
+                except (EOFError, OSError):  # the HTTP process is gone: nothing to serve
+                    LOG.error("the HTTP process has ended; the engine thread stops")
+                    self._fail_all(events, 503, "the server is shutting down")
+                    self._set_idle(True)
+                    return
+                for command in commands:
+                    # each command alone: a bug in one fails its job only
+                    try:
+                        getattr(self, "_" + command[0])(events, *command[1:])
+                    except Exception:
+                        LOG.exception("the engine thread failed on a %r command", command[0])
+                        if command[0] == "add":
+                            events.append(("failed", command[1], 500, "internal error in the "
+                                           "engine (logged by the server)"))
+                try:
+                    if self.engine.has_unfinished():
+                        self._step(events)
+                except Exception:  # a bug: end the requests it touched, keep serving the rest
+                    LOG.exception("the engine failed; its requests end with an error")
+                    if not self._fail_all(events, 500, "internal error in the engine (logged "
+                                                       "by the server)"):
+                        self._send_events(events)
+                        break  # an engine that cannot be reset would fail every step: the
+                        # thread ends, and the HTTP process sees the pipe closed (503)
+                self._send_events(events)
+            else:
+                events = []
+                self._fail_all(events, 503, "the server is shutting down")
+                self._send_events(events)
+        with contextlib.suppress(OSError):
+            self.send(("stop",))
+        self._set_idle(True)
+
+    def _next_commands(self):
+        """The commands waiting; while the engine has nothing to do, block for one."""
+        if not self.engine.has_unfinished() and not self.conn.poll():
+            self._set_idle(self.http_idle)
+            if self.wake_reader in multiprocessing.connection.wait([self.conn, self.wake_reader]):
+                self.wake_reader.recv(4096)
+            if self.stopping.is_set():
+                return []
+        commands = []
+        while self.conn.poll():
+            commands.append(self.conn.recv())
+        if self.idle and (commands or self.engine.has_unfinished()):
+            self._set_idle(False)
+        return commands
+
+    def _send_events(self, events):
+        if events:
+            self.send(("events", events, self._state()))
+
+    def _idle(self, events, idle):
+        self.http_idle = idle
+
+    def _ready(self, events):
+        self.on_ready()
+
+    def _add(self, events, job_id, requests):
+        seqs = []  # every choice checked before any is queued: a job runs whole or not at all
+        for index, (request_id, prompt, params) in enumerate(requests):
+            try:
+                seqs.append(self.engine.new_sequence(request_id, prompt, SamplingParams(**params)))
+            except ValueError as e:  # its message names the engine's request id: the client's
+                name = "the prompt" if len(requests) == 1 else f"prompt {index}"
+                events.append(("refused", job_id, str(e).replace(f"prompt {request_id!r}", name)))
+                return
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+            self.live[seq.request_id] = [job_id, 0]  # (and the output tokens sent so far)
+        events.append(("accepted", job_id))
+
+    def _abort(self, events, request_ids):
+        for request_id in request_ids:
+            if self.live.pop(request_id, None) is not None:  # (it may have ended meanwhile)
+                self.engine.abort(request_id)
+
+    def _step(self, events):
+        for seq in self.engine.advance():
+            entry = self.live.get(seq.request_id)
+            if entry is None:
+                continue
+            sent = entry[1]  # the output tokens sent before: only those past them go
+            new = seq.token_ids[seq.num_prompt_tokens + sent:]
+            entry[1] += len(new)
+            events.append(("tokens", seq.request_id, new,
+                           None if seq.logprobs is None else seq.logprobs[sent:],
+                           seq.finish_reason, seq.stop_token_id))
+            if seq.is_finished:
+                del self.live[seq.request_id]
+
+    def _fail_all(self, events, status, message):
+        """End every live request (each job hears once) and clear the engine; whether the
+        engine could be cleared."""
+        for job_id in dict.fromkeys(job_id for job_id, _ in self.live.values()):
+            events.append(("failed", job_id, status, message))
+        self.live.clear()
+        try:
+            self.engine.reset()  # aborts what is left, and waits for the step in flight
+            return True
+        except Exception:
+            LOG.exception("the engine could not be reset")
+            return False
+
+    def _state(self):
+        """The engine's state, for /metrics."""
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        stats = self.engine.stats
+        return dict(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                    blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+                    blocks_total=blocks.num_blocks, prefix_hit_rate=stats["prefix_hit_rate"],
+                    draft_tokens=stats["draft_tokens"], accepted_tokens=stats["accepted_tokens"])
+
+
+class EngineLink:
+    """The HTTP process's end of the pipe, on a thread of its own: it forwards the HTTP
+    threads' commands, add(job), deliver(job, delivery) and abort(job, choices, reason), to the
+    engine, turns the engine's events into each job's replies (see Job), and serves the
+    deliveries. It ends when the engine does."""
+
+    def __init__(self, conn, app):
+        self.conn, self.app, self.metrics = conn, app, app.metrics
         self.commands = queue.SimpleQueue()
+        self.wake_reader, self.wake_writer = socket.socketpair()  # (a command wakes the wait)
+        self.jobs = {}  # job id -> Job, from add until the engine accepts or refuses it
+        self.dropped = {}  # job id -> its engine request ids: aborted before the engine answered
         self.live = {}  # engine request id -> Choice, until it ends
         self.deliveries = {}  # job -> its Delivery, until it is done
         self.checked = time.monotonic()  # when _serve_deliveries last looked for clients gone
-        self.idle, self.idle_changed = True, threading.Condition()
-        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
-        self.thread.start()
+        self.open = False  # whether the engine was last told that a request is open here
+        self.thread = threading.Thread(target=self.run, name="link", daemon=True)
 
     def add(self, job):
         self._put(("add", job))
 
     def deliver(self, job, delivery):
-        """From now on the engine thread serves the job's replies (see Delivery)."""
+        """From now on this thread serves the job's replies (see Delivery)."""
         self._put(("deliver", job, delivery))
 
     def abort(self, job, choices=None, reason="abort"):
@@ -5669,89 +5838,46 @@ class EngineThread:
         (a stop string ended it) or "abort"."""
         self._put(("abort", job, choices, reason))
 
-    def stop(self, timeout):
-        """Abort everything (each waiting job gets "failed", 503) and end the thread."""
-        self._put(("stop",))
-        self.thread.join(timeout)
-
-    def wait_idle(self, timeout=None):
-        with self.idle_changed:
-            return self.idle_changed.wait_for(lambda: self.idle, timeout)
-
     def _put(self, command):
-        with self.idle_changed:
-            self.idle = False
-            self.commands.put(command)
+        self.commands.put(command)
+        with contextlib.suppress(OSError):
+            self.wake_writer.send(b"x")
 
     def run(self):
-        with torch.inference_mode():  # (grad mode is per thread)
-            while True:
-                for command in self._next_commands():
-                    if command[0] == "stop":
-                        self._stop()
-                        return
-                    # each command alone: a bug in one fails its job only, and the commands
-                    # after it (another's add, the stop) still run
-                    try:
-                        getattr(self, "_" + command[0])(*command[1:])
-                    except Exception:
-                        LOG.exception("the engine thread failed on a %r command", command[0])
-                        command[1].replies.put(("failed", 500, "internal error in the engine "
-                                                               "(logged by the server)"))
-                        if command[0] == "deliver":  # (its HTTP thread waits on the delivery)
-                            command[2].error = APIError("internal error in the engine (logged "
-                                                        "by the server)", 500)
-                            command[2].done.set()
+        while True:
+            ready = multiprocessing.connection.wait(
+                [self.conn, self.wake_reader], POLL_SECONDS if self.deliveries else None)
+            if self.wake_reader in ready:
+                self.wake_reader.recv(4096)
+            while not self.commands.empty():
+                command = self.commands.get()
                 try:
-                    if self.engine.has_unfinished():
-                        self._step()
-                    self._publish()
-                except Exception:  # a bug: end the requests it touched, keep serving the rest
-                    LOG.exception("the engine failed; its requests end with an error")
-                    if not self._fail_all(500, "internal error in the engine (logged by the "
-                                               "server)"):
-                        self._stop()  # an engine that cannot be reset would fail every step:
-                        return  # the thread ends, and the HTTP threads see it gone (503)
-                self._serve_deliveries()  # (while the GPU runs the step just launched)
-
-    def _next_commands(self):
-        """The commands waiting; while the engine has nothing to do, block for one."""
-        commands = []
-        if not self.engine.has_unfinished():
-            with self.idle_changed:
-                self.idle = self.commands.empty() and not self.deliveries
-                self.idle_changed.notify_all()
-            try:  # (with deliveries open, their clients are still watched)
-                commands.append(self.commands.get(timeout=POLL_SECONDS if self.deliveries
-                                                  else None))
-            except queue.Empty:
-                pass
-        while not self.commands.empty():
-            commands.append(self.commands.get())
-        return commands
-
-    def _add(self, job):
-        seqs = []  # every choice checked before any is queued: a job runs whole or not at all
-        for index, (request_id, prompt, params) in enumerate(job.requests):
+                    getattr(self, "_" + command[0])(*command[1:])
+                except Exception:
+                    LOG.exception("the link failed on a %r command", command[0])
+                    command[1].replies.put(("failed", 500, "internal error (logged by the "
+                                                           "server)"))
             try:
-                seqs.append(self.engine.new_sequence(request_id, prompt, params))
-            except ValueError as e:  # its message names the engine's request id: the client's
-                name = "the prompt" if len(job.requests) == job.n else f"prompt {index // job.n}"
-                job.replies.put(("refused", str(e).replace(f"prompt {request_id!r}", name)))
+                while self.conn.poll():
+                    message = self.conn.recv()
+                    if message[0] == "stop":
+                        self._stop("the server is shutting down")
+                        return
+                    getattr(self, "_on_" + message[0].replace(" ", "_"))(*message[1:])
+            except (EOFError, OSError):  # the engine's process ended, or its thread died
+                self._stop("the engine has stopped (the server logged why)")
                 return
-            except Exception:  # a bug, but nothing was queued: the other requests go on
-                LOG.exception("a request could not be added")
-                job.replies.put(("failed", 500, "internal error (logged by the server)"))
-                return
-        for index, seq in enumerate(seqs):
-            self.engine.add_sequence(seq)
-            self.live[seq.request_id] = Choice(job, index)
-        with self.metrics.lock:
-            self.metrics.prompt_tokens += sum(seq.num_prompt_tokens for seq in seqs)
-        job.replies.put(("accepted",))
+            self._serve_deliveries()
+            open_ = bool(self.jobs or self.live or self.deliveries)
+            if open_ != self.open:
+                self.open = open_
+                self._send(("idle", not open_))
 
-    def _deliver(self, job, delivery):
-        self.deliveries[job] = delivery
+    def _send(self, message):
+        try:
+            self.conn.send(message)
+        except OSError:  # (the engine's side is gone: the next wait sees the pipe closed)
+            pass
 
     def _serve_deliveries(self):
         """Serve every open Delivery: its new tokens as text, a stream's chunks to its socket;
@@ -5759,11 +5885,8 @@ class EngineThread:
         HTTP threads wake): finished, failed, or with their clients gone (their requests are
         aborted). A bug in one ends that one only.
 
-        Here, not on each request's HTTP thread: Python runs one thread at a time (the
-        interpreter lock), and 64 HTTP threads each taking it for their own stream's chunks
-        kept the engine thread waiting for it between its steps (H200: 0.80x of the engine's
-        tokens/s at best, and a new request waited 24 ms for the engine to see it). The engine
-        thread does this work while the GPU runs the step it just launched.
+        Here, on one thread, not on each request's HTTP thread: 64 HTTP threads each taking
+        the interpreter lock for their own stream's chunks would keep this thread waiting for it.
 
         A stream's replies wait until its next write is due (Delivery.due), and a few steps'
         replies then become text at once. At concurrency 64 the engine thread, not the GPU,
@@ -5796,38 +5919,92 @@ class EngineThread:
                 self._abort(job, None, "abort")
             delivery.done.set()
 
+    # -- commands of the HTTP threads
+
+    def _add(self, job):
+        if not self.open:  # (before the add: the engine's wait_idle must not see both idle)
+            self.open = True
+            self._send(("idle", False))
+        self.jobs[job.id] = job
+        self._send(("add", job.id, [(request_id, prompt, dataclasses.asdict(params))
+                                    for request_id, prompt, params in job.requests]))
+
+    def _deliver(self, job, delivery):
+        self.deliveries[job] = delivery
+
     def _abort(self, job, choices, reason):
+        if choices is None and self.jobs.pop(job.id, None) is not None:
+            self.dropped[job.id] = [request_id for request_id, _, _ in job.requests]
+        ended = []
         for index in range(len(job.requests)) if choices is None else choices:
             request_id = job.requests[index][0]
             choice = self.live.pop(request_id, None)
             if choice is not None:  # (it may have ended in the meantime)
-                self.engine.abort(request_id)
+                ended.append(request_id)
                 self._ended(choice, reason)
+        if ended:
+            self._send(("abort", ended))
 
-    def _step(self):
-        advanced = self.engine.advance()
+    # -- the engine's messages
+
+    def _on_ready(self, tokenizer, max_model_len, vocab_size):
+        self.app.tokenizer, self.app.max_model_len = tokenizer, max_model_len
+        self.app.vocab_size = vocab_size
+        self.app.ready.set()
+        self._send(("ready",))
+
+    def _on_load_failed(self, message):
+        self.app.load_error = message
+
+    def _on_events(self, events, state):
         now, generated = time.perf_counter(), 0
-        for seq in advanced:
-            choice = self.live.get(seq.request_id)
-            if choice is None:
-                continue
-            new = seq.token_ids[seq.num_prompt_tokens + choice.sent:]
-            logprobs = None if seq.logprobs is None else seq.logprobs[choice.sent:]
-            if choice.sent == 0:
-                choice.first = now
+        for event in events:
+            if event[0] == "tokens":
+                generated += self._tokens(now, *event[1:])
+            elif event[0] == "accepted":
+                job = self.jobs.pop(event[1], None)
+                if job is None:  # aborted while the engine took it: it ends here
+                    self._send(("abort", self.dropped.pop(event[1])))
+                    continue
+                for index, (request_id, prompt, _) in enumerate(job.requests):
+                    self.live[request_id] = Choice(job, index)
                 with self.metrics.lock:
-                    self.metrics.ttft.observe(now - choice.job.arrival)
-            choice.sent += len(new)
-            choice.last = now
-            generated += len(new)
-            choice.job.replies.put(("tokens", choice.index, new, logprobs, seq.finish_reason,
-                                    seq.stop_token_id))
-            if seq.is_finished:
-                choice.job.ending = True
-                del self.live[seq.request_id]
-                self._ended(choice, seq.finish_reason)
+                    self.metrics.prompt_tokens += sum(len(p) for _, p, _ in job.requests)
+                job.replies.put(("accepted",))
+            else:  # refused (before it ran), or failed (a bug): every choice of the job ends
+                self.dropped.pop(event[1], None)
+                job = self.jobs.pop(event[1], None) or next(
+                    (c.job for c in self.live.values() if c.job.id == event[1]), None)
+                if job is None:
+                    continue
+                job.replies.put(("refused", event[2]) if event[0] == "refused"
+                                else ("failed", event[2], event[3]))
+                job.ending = True
+                for request_id, _, _ in job.requests:
+                    choice = self.live.pop(request_id, None)
+                    if choice is not None:
+                        self._ended(choice, "abort")
         with self.metrics.lock:
             self.metrics.generation_tokens += generated
+            self.metrics.engine = state
+
+    def _tokens(self, now, request_id, new, logprobs, finish_reason, stop_token_id):
+        choice = self.live.get(request_id)
+        if choice is None:  # aborted here meanwhile
+            return 0
+        if choice.sent == 0:
+            choice.first = now
+            with self.metrics.lock:
+                self.metrics.ttft.observe(now - choice.job.arrival)
+        choice.sent += len(new)
+        choice.last = now
+        choice.job.replies.put(("tokens", choice.index, new, logprobs, finish_reason,
+                                stop_token_id))
+        if finish_reason is not None:
+            choice.job.ending = True
+            del self.live[request_id]
+            self._ended(choice, finish_reason)
+        return len(new)
 
     def _ended(self, choice, reason):
         with self.metrics.lock:
@@ -5835,44 +6012,30 @@ class EngineThread:
             if choice.sent > 1:
                 self.metrics.tpot.observe((choice.last - choice.first) / (choice.sent - 1))
 
-    def _fail_all(self, status, message):
-        """End every live request (each job hears once) and clear the engine; whether the
-        engine could be cleared."""
-        jobs = {id(choice.job): choice.job for choice in self.live.values()}
+    def _stop(self, message):
+        """The engine is gone (stopped, or its thread died): every open job fails with a 503,
+        each open delivery ends with it, and the thread ends (HTTP threads that see it gone
+        answer 503)."""
+        jobs = {id(job): job for job in self.jobs.values()}
+        jobs.update((id(choice.job), choice.job) for choice in self.live.values())
         for job in jobs.values():
-            job.replies.put(("failed", status, message))
+            job.replies.put(("failed", 503, message))
             job.ending = True
         for choice in self.live.values():
             self._ended(choice, "abort")
-        self.live.clear()
-        try:
-            self.engine.reset()  # aborts what is left, and waits for the step in flight
-            return True
-        except Exception:
-            LOG.exception("the engine could not be reset")
-            return False
-
-    def _stop(self):
-        self._fail_all(503, "the server is shutting down")
+        self.jobs.clear(), self.live.clear()
+        while not self.commands.empty():  # (a delivery handed over meanwhile ends too)
+            command = self.commands.get()
+            if command[0] == "deliver":
+                self.deliveries[command[1]] = command[2]
+            elif command[0] == "add":
+                command[1].replies.put(("failed", 503, message))
         self._serve_deliveries()  # each open delivery takes its job's failure, and ends
         for delivery in self.deliveries.values():  # (none should be left)
-            delivery.error = APIError("the server is shutting down", 503)
+            delivery.error = APIError(message, 503)
             delivery.done.set()
         self.deliveries.clear()
-        with self.idle_changed:
-            self.idle = True
-            self.idle_changed.notify_all()
 
-    def _publish(self):
-        """The engine's state, for /metrics."""
-        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        stats = self.engine.stats
-        with self.metrics.lock:
-            self.metrics.engine = dict(
-                running=len(scheduler.running), waiting=len(scheduler.waiting),
-                blocks_used=blocks.num_blocks - blocks.num_free_blocks,
-                blocks_total=blocks.num_blocks, prefix_hit_rate=stats["prefix_hit_rate"],
-                draft_tokens=stats["draft_tokens"], accepted_tokens=stats["accepted_tokens"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5982,6 +6145,7 @@ class Metrics:
 # choices still running.
 
 LOG = logging.getLogger("08_serve")
+SERVE_FILE = os.path.abspath(__file__)  # what the HTTP process runs (Server)
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
 # A stream writes at most every STREAM_INTERVAL seconds (serve's stream_interval), a chunk
 # carrying every token since the last: each write is Python on the engine thread (see Delivery).
@@ -6558,6 +6722,15 @@ class Handler(BaseHTTPRequestHandler):
         LOG.info("%s %s", self.address_string(), format % args)
 
     def route(self):
+        with self.server.connections_lock:
+            self.server.requests_running += 1
+        try:
+            self._route()
+        finally:
+            with self.server.connections_lock:
+                self.server.requests_running -= 1
+
+    def _route(self):
         self.body_state, self.streaming = "unread", False  # "unread", "reading", "read"
         self.checked = time.monotonic()  # when wait() last checked that the client is there
         path = self.path.split("?", 1)[0]
@@ -6676,25 +6849,25 @@ class Handler(BaseHTTPRequestHandler):
         body = self.read_json()
         check_fields(body, {"model", "prompt", "messages"})
         self.check_model(body)
-        tokenizer = self.app.llm.tokenizer
+        tokenizer = self.app.tokenizer
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise APIError("give either 'prompt' or 'messages'")
         text = (chat_prompt(body, tokenizer) if body.get("prompt") is None
                 else field(body, "prompt", _is_str, "a string"))
         ids = tokenizer.encode(text)
         self.send_json(200, {"tokens": ids, "count": len(ids),
-                             "max_model_len": self.app.llm.max_model_len})
+                             "max_model_len": self.app.max_model_len})
 
     def detokenize(self):
         body = self.read_json()
         check_fields(body, {"model", "tokens"})
         self.check_model(body)
-        vocab = self.app.llm.model.cfg.vocab_size
+        vocab = self.app.vocab_size
         ids = field(body, "tokens", lambda x: isinstance(x, list) and all(
             _is_int(t) and 0 <= t < vocab for t in x), f"a list of token ids in [0, {vocab})")
         if ids is None:
             raise APIError("'tokens' is required", param="tokens")
-        self.send_json(200, {"prompt": self.app.llm.tokenizer.decode(ids)})
+        self.send_json(200, {"prompt": self.app.tokenizer.decode(ids)})
 
     def completions(self):
         self.generate(chat=False)
@@ -6705,9 +6878,9 @@ class Handler(BaseHTTPRequestHandler):
     def generate(self, chat):
         body = self.read_json()
         self.check_model(body)
-        llm, engine = self.app.llm, self.app.engine
-        request = generation_request(body, chat, llm.tokenizer, llm.model.cfg.vocab_size)
-        answer = Answer(request, self.app.model_name, llm.tokenizer.token_bytes)
+        tokenizer, engine = self.app.tokenizer, self.app.engine
+        request = generation_request(body, chat, tokenizer, self.app.vocab_size)
+        answer = Answer(request, self.app.model_name, tokenizer.token_bytes)
         job, choices = Job(answer.id, request.prompts, request.params), []
         engine.add(job)
         try:
@@ -6715,7 +6888,7 @@ class Handler(BaseHTTPRequestHandler):
             (reply, *replies) = self.wait(job)
             if reply[0] != "accepted":  # refused: the engine's ValueError; or failed
                 raise APIError(reply[1]) if reply[0] == "refused" else APIError(reply[2], reply[1])
-            choices = [ChoiceText(i, llm.tokenizer, request.stop, request.logprobs)
+            choices = [ChoiceText(i, tokenizer, request.stop, request.logprobs)
                        for i in range(len(request.params))]
             if request.stream:
                 self.start_stream()
@@ -6807,12 +6980,16 @@ class Handler(BaseHTTPRequestHandler):
 class _HTTPServer(ThreadingHTTPServer):  # (its threads are daemon threads)
     """ThreadingHTTPServer with a thread a connection, up to max_connections of them: a client
     beyond them gets a 503 at once and is closed, rather than a thread (each holds its stack,
-    and all share the engine thread's interpreter lock)."""
+    and all share one interpreter lock)."""
     request_queue_size = 128  # the listen backlog: a burst of clients may connect at once
 
-    def __init__(self, address, handler, max_connections):
-        super().__init__(address, handler)
+    def __init__(self, sock, handler, max_connections):
+        """sock: the listening socket, bound by the engine's process (Server)."""
+        super().__init__(sock.getsockname(), handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
         self.max_connections, self.connections = max_connections, 0
+        self.requests_running = 0  # (the HTTP process waits for them when it stops)
         self.connections_lock = threading.Lock()
 
     def process_request(self, request, client_address):
@@ -6845,9 +7022,60 @@ class _HTTPServer(ThreadingHTTPServer):  # (its threads are daemon threads)
                 self.connections -= 1
 
 
+class HTTPSide:
+    """What the HTTP threads share (a Handler's self.app), in the HTTP process: the settings,
+    the metrics, the link to the engine, and the model's tokenizer and sizes once it is ready."""
+
+    def __init__(self, api_key, model_name, max_body_bytes, timeout, stream_interval, created):
+        self.api_key, self.model_name, self.created = api_key, model_name, created
+        self.max_body_bytes, self.timeout = max_body_bytes, timeout
+        self.stream_interval = stream_interval
+        self.metrics = Metrics()
+        self.ready = threading.Event()
+        self.stopped, self.load_error, self.engine = False, None, None
+        self.tokenizer = self.max_model_len = self.vocab_size = None
+
+    def not_ready(self):
+        if self.load_error is not None:
+            return APIError(f"the model failed to load: {self.load_error}", 503)
+        return APIError("the model is loading", 503)
+
+    def model_card(self):
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "08_serve", "max_model_len": self.max_model_len}
+
+
+def http_process(listen_fd, pipe_fd):
+    """The HTTP process (python 08_serve.py --http-process LISTEN_FD PIPE_FD, which Server
+    starts): the HTTP server on the socket the engine's process bound, the link on the pipe.
+    It ends when the engine tells it to stop, or its end of the pipe closes: running requests
+    get their last answers (an error), and then it exits."""
+    conn = multiprocessing.connection.Connection(pipe_fd)
+    settings = conn.recv()
+    # the tokenizer comes pickled under the engine's name for this file's module
+    sys.modules.setdefault(settings.pop("module"), sys.modules[__name__])
+    if settings.pop("log_level") is not None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    max_connections = settings.pop("max_connections")
+    app = HTTPSide(**settings)
+    app.engine = EngineLink(conn, app)
+    httpd = _HTTPServer(socket.socket(fileno=listen_fd), Handler, max_connections)
+    httpd.app = app
+    app.engine.thread.start()
+    threading.Thread(target=httpd.serve_forever, args=(0.1,), name="http", daemon=True).start()
+    app.engine.thread.join()
+    app.stopped = True
+    httpd.shutdown()  # no connection is accepted any more
+    httpd.server_close()
+    deadline = time.monotonic() + app.timeout  # the requests still answering write their ends
+    while httpd.requests_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class Server:
     """A running server (see serve): url, port, model_name, llm (None while loading),
-    wait_ready, wait_idle, shutdown."""
+    wait_ready, wait_idle, shutdown. This process keeps the model and its engine thread; the
+    HTTP runs in a child process (http_process), on the socket bound here."""
 
     def __init__(self, llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
                  stream_interval=STREAM_INTERVAL, max_connections=MAX_CONNECTIONS):
@@ -6873,20 +7101,36 @@ class Server:
         self.stream_interval = stream_interval
         self.model_name = served_model_name or "qwen3"
         self.llm = self.engine = self.load_error = None
-        self.metrics = Metrics()
         self.ready, self.loaded = threading.Event(), threading.Event()
-        self.stopped, self.lock = False, threading.Lock()
-        self.created = int(time.time())
-        self.httpd = _HTTPServer((host, port), Handler, max_connections)
-        self.httpd.app = self
-        self.port = self.httpd.server_address[1]
+        self.stopped, self.lock, self.send_lock = False, threading.Lock(), threading.Lock()
+        listener = socket.create_server((host, port), backlog=_HTTPServer.request_queue_size)
+        self.port = listener.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.1,), name="http",
-                         daemon=True).start()
+        ours, theirs = socket.socketpair()
+        with listener, theirs:  # (the child has its own copies of both)
+            self.process = subprocess.Popen(
+                [sys.executable, SERVE_FILE, "--http-process", str(listener.fileno()),
+                 str(theirs.fileno())], pass_fds=(listener.fileno(), theirs.fileno()),
+                start_new_session=True)  # (a Ctrl-C reaches this process only: it stops both)
+        self.conn = multiprocessing.connection.Connection(ours.detach())
+        self._send(dict(module=__name__, api_key=api_key, model_name=self.model_name,
+                        max_body_bytes=max_body_bytes, timeout=timeout,
+                        stream_interval=stream_interval, max_connections=max_connections,
+                        created=int(time.time()),
+                        log_level=LOG.getEffectiveLevel() if logging.getLogger().handlers
+                        else None))
         if isinstance(llm, LLM):
             self._start(llm)
+            while not self.ready.wait(0.1):  # the HTTP process has the tokenizer
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the HTTP process exited with status "
+                                       f"{self.process.returncode} before it was ready")
         else:
             threading.Thread(target=self._load, args=(llm,), name="load", daemon=True).start()
+
+    def _send(self, message):
+        with self.send_lock:  # (the engine thread sends too)
+            self.conn.send(message)
 
     def _load(self, load):
         try:
@@ -6897,6 +7141,8 @@ class Server:
         except Exception as e:
             LOG.exception("the model failed to load")
             self.load_error = e
+            with contextlib.suppress(OSError):
+                self._send(("load failed", str(e)))
             self.loaded.set()
 
     def _start(self, llm):
@@ -6907,18 +7153,13 @@ class Server:
         with self.lock:
             if self.stopped:
                 return
-            self.engine, self.llm = EngineThread(llm, self.metrics), llm
+            self.llm = llm
+            self.engine = EngineThread(llm, self.conn, self._send, self._ready)
+            self._send(("ready", llm.tokenizer, llm.max_model_len, llm.model.cfg.vocab_size))
+
+    def _ready(self):  # (the HTTP process has the tokenizer: every route is served)
         self.ready.set()
         self.loaded.set()
-
-    def not_ready(self):
-        if self.load_error is not None:
-            return APIError(f"the model failed to load: {self.load_error}", 503)
-        return APIError("the model is loading", 503)
-
-    def model_card(self):
-        return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "08_serve", "max_model_len": self.llm.max_model_len}
 
     def wait_ready(self, timeout=None):
         """Wait until the model is loaded (or failed to load); whether the server is ready."""
@@ -6926,20 +7167,29 @@ class Server:
         return self.ready.is_set()
 
     def wait_idle(self, timeout=None):
-        """Wait until the engine has no request left; whether it has none (False: timed out)."""
+        """Wait until no request is left, in the engine or the HTTP process; whether none is
+        (False: timed out)."""
         return self.engine is None or self.engine.wait_idle(timeout)
 
     def shutdown(self, timeout=10.0):
         """Stop accepting, abort every running request (open streams end with an error event),
-        stop the engine thread and close the socket. Calling it again does nothing."""
+        stop the engine thread and the HTTP process. Calling it again does nothing."""
         with self.lock:
             if self.stopped:
                 return
             self.stopped = True
-        self.httpd.shutdown()  # serve_forever returns: no connection is accepted any more
         if self.engine is not None:
-            self.engine.stop(timeout)
-        self.httpd.server_close()
+            self.engine.stop(timeout)  # (it tells the HTTP process to stop)
+        else:
+            with contextlib.suppress(OSError):
+                self._send(("stop",))
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            LOG.error("the HTTP process did not stop within %s s: killed", timeout)
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
 
 
 def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None,
@@ -7210,8 +7460,7 @@ def bench_tokenizer(vocab_size, eos_token_ids=(151643, 151645)):
 
     bpe = tiktoken.Encoding(name="bench", pat_str=r"\S+|\s+", special_tokens={},
                             mergeable_ranks={bytes([b]): b for b in range(256)})
-    return Tokenizer(bpe, [word(i) for i in range(vocab_size)], {}, lambda text: text,
-                     eos_token_ids, None)
+    return Tokenizer(bpe, [word(i) for i in range(vocab_size)], {}, _as_is, eos_token_ids, None)
 
 
 def latencies(timings):
@@ -7870,6 +8119,9 @@ def data_file(name, data_dir=None):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--http-process"]:  # a server's HTTP side (Server starts it)
+        http_process(int(sys.argv[2]), int(sys.argv[3]))
+        sys.exit()
     try:
         main()
     except DataError as e:  # a missing or broken file: the message says which and what to do

@@ -18,6 +18,7 @@ import contextlib
 import html.parser
 import http.client
 import json
+import multiprocessing.connection
 import os
 import random
 import re
@@ -795,16 +796,44 @@ def test_fuzzed_requests_get_a_4xx_and_the_server_still_serves(q8, server, clien
                                            "temperature": 0})[1]["choices"][0]["text"] == e.text
 
 
+@contextlib.contextmanager
+def http_side_here(q8, tokenizer, vocab_size):
+    """The HTTP process's code (http_process) on a thread of this process, so that what a test
+    patches in q8 reaches it, with the test in the engine's place at the pipe's other end.
+    Yields (the url, the test's end of the pipe)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    ours, theirs = socket.socketpair()
+    conn = multiprocessing.connection.Connection(ours.detach())
+    thread = threading.Thread(target=q8.http_process, args=(listener.detach(), theirs.detach()),
+                              daemon=True)
+    conn.send(dict(module=q8.__name__, api_key=None, model_name=MODEL, max_body_bytes=1 << 20,
+                   timeout=10.0, stream_interval=0.0, max_connections=64, created=0,
+                   log_level=None))
+    thread.start()
+    conn.send(("ready", tokenizer, 64, vocab_size))
+    try:
+        assert conn.recv() == ("ready",)
+        yield url, conn
+    finally:
+        conn.send(("stop",))
+        thread.join(10)
+        conn.close()
+
+
 def test_an_unexpected_error_is_a_500_and_the_server_goes_on(q8, client, llm, monkeypatch):
     """A bug in a handler: 500 in the envelope. A bug in the engine mid-stream: the stream ends
     with an error event and [DONE]. Either way it is logged and the next request is served."""
     def broken(*args):
         raise RuntimeError("a bug")
 
-    with monkeypatch.context() as m:
-        m.setattr(q8, "generation_request", broken)
-        status, out = client.post("/v1/completions", {"prompt": "x"})
-    assert status == 500 and check_envelope(out, 500)["message"].startswith("internal")
+    with http_side_here(q8, llm.tokenizer, llm.model.cfg.vocab_size) as (url, conn):
+        with monkeypatch.context() as m:
+            m.setattr(q8, "generation_request", broken)
+            status, out = Client(url, key=None).post("/v1/completions", {"prompt": "x"})
+        assert status == 500 and check_envelope(out, 500)["message"].startswith("internal")
+        assert Client(url, key=None).request("GET", "/v1/models")[0] == 200
+        assert not conn.poll()  # (nothing reached the engine)
     with monkeypatch.context() as m:
         m.setattr(llm.engine, "advance", broken)
         status, _, data = client.request("POST", "/v1/chat/completions", {
@@ -1199,15 +1228,14 @@ def test_a_failing_command_fails_alone(q8, spare, monkeypatch):
     only: the add after it in the same batch of commands still runs, and a stop after a failing
     add still stops the engine thread, so that shutdown returns at once."""
     server = q8.serve(spare)
-    engine = server.engine
     gate, held = threading.Event(), threading.Event()
+    has_unfinished, add_sequence, failed = spare.engine.has_unfinished, spare.engine.add_sequence, []
 
-    def hold():
-        held.set()
-        gate.wait()
-
-    monkeypatch.setattr(engine, "_gate", hold, raising=False)
-    add_sequence, failed = spare.engine.add_sequence, []
+    def hold():  # the engine thread asks first thing each round: it waits here while held
+        if not gate.is_set():
+            held.set()
+            gate.wait()
+        return has_unfinished()
 
     def add_once(seq):
         if not failed:
@@ -1216,17 +1244,17 @@ def test_a_failing_command_fails_alone(q8, spare, monkeypatch):
         add_sequence(seq)
 
     def batch(*actions):
-        """Run the actions (each puts one command) while the engine thread is held, then let
-        it take their commands all at once."""
+        """Run the actions while the engine thread is held, then let it take their commands all
+        at once from the pipe."""
         gate.clear()
         held.clear()
-        engine._put(("gate",))
-        assert held.wait(10)  # the thread is in the gate: what is queued now stays queued
+        monkeypatch.setattr(spare.engine, "has_unfinished", hold)
+        server.engine.wake_writer.send(b"x")  # (it may be waiting for a command)
+        assert held.wait(10)
         threads = [threading.Thread(target=action) for action in actions]
-        for i, t in enumerate(threads):
+        for t in threads:
             t.start()
-            while engine.commands.qsize() < i + 1:
-                time.sleep(0.01)
+            time.sleep(0.3)  # (its command is in the pipe by then)
         failed.clear()
         monkeypatch.setattr(spare.engine, "add_sequence", add_once)
         gate.set()
