@@ -11,16 +11,17 @@ What this stage teaches
     36. The server: `python 08_serve.py --model DIR` serves the OpenAI API (`/v1/models`,
         `/v1/completions`, `/v1/chat/completions`, streaming as server-sent events) and
         `/health`, `/tokenize`, `/detokenize`, `/metrics` and a chat page at `/`, on the
-        standard library's HTTP server. The HTTP threads check requests into `SamplingParams`;
-        one engine thread alone adds, aborts and steps, and turns each request's new tokens
-        into text and its stream's chunks between steps. Errors use the OpenAI envelope with
+        standard library's HTTP server. The HTTP runs in a process of its own, whose threads
+        check requests into `SamplingParams` and turn each request's new tokens into text and
+        its stream's chunks; in the model's process one engine thread alone adds, aborts and
+        steps, and a pipe joins the two. Errors use the OpenAI envelope with
         4xx codes; a client that disconnects has its request aborted and its blocks freed.
     37. Batched speculation: `--speculative ngram|draft` runs stage 07's speculative decoding
         across concurrent requests, with greedy outputs identical to plain decoding.
 
 New since stage 07: all of the above: `Detokenizer`; `serve` and the `Server` it returns, with
-the request checks (`generation_request`), the `EngineThread` and its `Delivery` of each
-request, the HTTP `Handler`, the `Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the
+the request checks (`generation_request`), the `EngineThread` and, across the pipe, the
+`EngineLink` and its `Delivery` of each request (`http_process`), the HTTP `Handler`, the `Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the
 serving bench. Changed: the command line, which serves a model; the engine's steps that are
 not decodes (prompts, and the decodes beside them: a server's steps, as requests arrive while
 others decode) replay CUDA graphs too (`StepGraphs`, `LLM.capture_graphs`), for which the paged
@@ -649,7 +650,7 @@ def load_tokenizer(model_dir):
                      _chat_template(model_dir, tok_config))
 
 
-def _one_piece(text):
+def _one_piece(text):  # (a named function, not a lambda: a tokenizer pickles)
     return [text]
 
 
@@ -5613,9 +5614,10 @@ def chat_logprobs_asked(body):
 # and alone calls add, abort and step. Python runs one thread of a process at a time (the
 # interpreter lock, GIL), so the HTTP side runs in a process of its own, as vLLM's API server
 # does: the engine thread then has its process to itself. With the HTTP in the engine's process,
-# each HTTP thread that took the lock kept the engine thread waiting between its steps (H200,
-# bench_serve's workload: p99 time to first token at 64 streams, arrivals spread, 13-24 ms,
-# 2.5-3.8x concurrency 1's; with the HTTP in a process of its own, 9.7-11 ms, 1.7-2.2x).
+# each HTTP thread that took the lock kept the engine thread waiting between its steps, and the
+# engine thread also turned every stream's tokens into text and chunks (H200, bench_serve at 64
+# streams: 0.85-0.93x LLM.generate's tokens/s, p99 time to first token 2.9-3.75x concurrency
+# 1's; in two processes 0.96x and 2.5x, one run each, on different hosts).
 #
 # One pipe joins the two (a socket pair; each message a pickle):
 # - HTTP process -> engine: ("add", job id, [(engine request id, prompt ids, SamplingParams as a
@@ -5889,10 +5891,8 @@ class EngineLink:
         the interpreter lock for their own stream's chunks would keep this thread waiting for it.
 
         A stream's replies wait until its next write is due (Delivery.due), and a few steps'
-        replies then become text at once. At concurrency 64 the engine thread, not the GPU,
-        sets the pace of the steps, and taking every stream's replies every step was a fifth of
-        its time under cProfile; taken when due, p99 TTFT with arrivals spread went from
-        17.5-18.1 ms to 15.5-16.6 (H200, the serving bench, two runs each)."""
+        replies then become text at once (when this ran on the engine thread, taking every
+        stream's replies every step was a fifth of its time under cProfile at concurrency 64)."""
         now = time.monotonic()
         check = now - self.checked >= POLL_SECONDS
         if check:
@@ -6073,7 +6073,8 @@ class Histogram:
 
 
 class Metrics:
-    """The server's numbers: written by the engine thread, read by /metrics, under `lock`."""
+    """The server's numbers, in the HTTP process: written by the EngineLink, read by /metrics,
+    under `lock`."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -6137,8 +6138,8 @@ class Metrics:
 # transfer encoding, so that the connection stays open for the next request.
 #
 # A generation's HTTP thread: the body is checked (generation_request), the Job goes to the
-# engine thread, and once it is accepted a stream's headers go out and the engine thread takes
-# over (Delivery): each choice's tokens become text through its own Detokenizer (ChoiceText), a
+# engine through the EngineLink, and once it is accepted a stream's headers go out and the
+# link's thread takes over (Delivery): each choice's tokens become text through its own Detokenizer (ChoiceText), a
 # stream's chunks go out as they come (Answer writes OpenAI's objects), and a choice that meets a
 # stop string is aborted in the engine. The HTTP thread then writes a non-streamed response, or
 # an error. Whatever ends a request early (a client gone, a failed write, an error) aborts the
@@ -6148,9 +6149,8 @@ LOG = logging.getLogger("08_serve")
 SERVE_FILE = os.path.abspath(__file__)  # what the HTTP process runs (Server)
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
 # A stream writes at most every STREAM_INTERVAL seconds (serve's stream_interval), a chunk
-# carrying every token since the last: each write is Python on the engine thread (see Delivery).
-# (H200, 64 streams of Qwen3-0.6B, measured before the mixed steps were graphed: 0.69x the
-# engine's tokens/s writing every step, up to 0.86x writing every 20 ms.)
+# carrying every token since the last: each write is Python on the link's thread (see Delivery),
+# and fewer, larger writes leave it time for more streams.
 STREAM_INTERVAL = 0.02
 MAX_PENDING_BYTES = 4 << 20  # of a stream, not read by its client yet (the client is dropped)
 MAX_CONNECTIONS = 1024  # open at once, a thread each (serve's max_connections; a 503 beyond)
@@ -6499,8 +6499,8 @@ def sse_bytes(events, done, chunked):
 
 
 class Delivery:
-    """A generation request after the engine accepted it, as the engine thread serves it (see
-    EngineThread._serve_deliveries): after each step, the job's replies go through its choices'
+    """A generation request after the engine accepted it, as the HTTP process's link thread
+    serves it (see EngineLink._serve_deliveries): after each step, the job's replies go through its choices'
     ChoiceText (text, stop strings, logprobs) and, for a stream, out to the client as events,
     at most every `interval` seconds: a chunk a choice, with every token since the last. Its
     HTTP thread waits meanwhile (done), then sends what is left: a non-streamed answer, an
@@ -6894,7 +6894,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.start_stream()
                 if chat:
                     self.write_events([answer.role_chunk(choice) for choice in choices])
-            # the engine thread serves the rest (see Delivery); this thread waits
+            # the link's thread serves the rest (see Delivery); this thread waits
             delivery = Delivery(job, answer, choices, replies, self.connection,
                                 request.stream and self.chunked, self.app.stream_interval,
                                 self.timeout)
@@ -6902,7 +6902,7 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 engine.deliver(job, delivery)
                 # (rarely awake: 64 threads waking every 50 ms take the interpreter lock from
-                # the engine thread too)
+                # the link's thread too)
                 while not delivery.done.wait(1.0):
                     if not engine.thread.is_alive():  # (one that died serves no more)
                         delivery.error = APIError("the engine has stopped (the server logged "
@@ -6937,7 +6937,7 @@ class Handler(BaseHTTPRequestHandler):
                     raise ClientGone()
             if replies:
                 break
-            if self.app.stopped:  # (an engine thread that has stopped replies no more)
+            if self.app.stopped:  # (an engine that has stopped replies no more)
                 raise APIError("the server is shutting down", 503)
             if not self.app.engine.thread.is_alive():  # (nor does one that died)
                 raise APIError("the engine has stopped (the server logged why)", 503)
@@ -7513,7 +7513,7 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
     # Its TTFT under the clients of the server's rows below (offline_ttft): at the lowest
     # concurrency, and at the highest with the arrivals spread over a request's duration at the
     # engine's rate, each client's first request left out. What the server adds to these is
-    # its HTTP and its engine thread's chores.
+    # its HTTP, and the pipe between its two processes.
     steady = random_prompts(cfg.vocab_size, [prompt_len] * (8 * top), seed=1 << 20)
     alone = {}
     for c, some, spread in ((low, prompts[low], 0.0),
