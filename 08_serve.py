@@ -14,20 +14,21 @@ What this stage teaches
         standard library's HTTP server. The HTTP runs in a process of its own, whose threads
         check requests into `SamplingParams` and turn each request's new tokens into text and
         its stream's chunks; in the model's process one engine thread alone adds, aborts and
-        steps, and a pipe joins the two. Errors use the OpenAI envelope with
-        4xx codes; a client that disconnects has its request aborted and its blocks freed.
+        steps, and a pipe joins the two. Errors use the OpenAI envelope with 4xx codes; a
+        client that disconnects has its request aborted and its blocks freed.
     37. Batched speculation: `--speculative ngram|draft` runs stage 07's speculative decoding
         across concurrent requests, with greedy outputs identical to plain decoding.
 
 New since stage 07: all of the above: `Detokenizer`; `serve` and the `Server` it returns, with
 the request checks (`generation_request`), the `EngineThread` and, across the pipe, the
-`EngineLink` and its `Delivery` of each request (`http_process`), the HTTP `Handler`, the `Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the
-serving bench. Changed: the command line, which serves a model; the engine's steps that are
-not decodes (prompts, and the decodes beside them: a server's steps, as requests arrive while
-others decode) replay CUDA graphs too (`StepGraphs`, `LLM.capture_graphs`), for which the paged
-prefill kernel's grid comes from the packed tokens rather than the longest prompt; the
-scheduler's `prefill_first` (`LLM(prefill_first=True)`, on in the server, `--no-prefill-first`
-turns it off): a step with prompt tokens to run runs those only, for the time to first token.
+`EngineLink` and its `Delivery` of each request (`http_process`), the HTTP `Handler`, the
+`Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the serving bench. Changed: the
+command line, which serves a model; the engine's steps that are not decodes (prompts, and the
+decodes beside them: a server's steps, as requests arrive while others decode) replay CUDA
+graphs too (`StepGraphs`, `LLM.capture_graphs`), for which the paged prefill kernel's grid
+comes from the packed tokens rather than the longest prompt; the scheduler's `prefill_first`
+(`LLM(prefill_first=True)`, on in the server, `--no-prefill-first` turns it off): a step with
+prompt tokens to run runs those only, for the time to first token.
 Kept
 unchanged: the model, tokenizer, the rest of the engine, the other kernels and their torch twins
 (the tests' reference paths), the demo model and tokenizer, the downloads.
@@ -5620,11 +5621,12 @@ def chat_logprobs_asked(body):
 # 1's; in two processes 0.96x and 2.5x, one run each, on different hosts).
 #
 # One pipe joins the two (a socket pair; each message a pickle):
-# - HTTP process -> engine: ("add", job id, [(engine request id, prompt ids, SamplingParams as a
-#   dict)]), ("abort", [engine request ids]), ("idle", whether it has no request open), and
-#   ("ready",) once it has the tokenizer.
+# - HTTP process -> engine: ("add", job id, choices a prompt, [(engine request id, prompt ids,
+#   SamplingParams as a dict)]), ("abort", [engine request ids]), ("idle", whether it has no
+#   request open), and ("ready",) once it has the tokenizer.
 # - engine -> HTTP process: ("ready", tokenizer, max_model_len, vocab_size), ("load failed",
-#   message), ("stop",), and after each step one ("events", [...], the engine's state), the
+#   message), ("engine failed",), ("stop",), and after each step one ("events", [...], the
+#   engine's state), the
 #   events being ("accepted", job id), ("refused", job id, message), ("failed", job id,
 #   status, message) and ("tokens", engine request id, new token ids, their logprobs,
 #   finish_reason or None, the eos or stop id that ended it or None): a step's new tokens, never
@@ -5662,8 +5664,8 @@ class EngineThread:
     """The thread that owns an LLM's engine, in the process that holds the model: it takes the
     HTTP process's commands from `conn`, steps while the engine has work, and sends each step's
     events back in one message. live: engine request id -> [its job's id, output tokens sent],
-    until it ends. wait_idle() waits until neither side has a request open: for tests and benches, which then
-    read the engine's state."""
+    until it ends. wait_idle() waits until neither side has a request open: for tests and
+    benches, which then read the engine's state."""
 
     def __init__(self, llm, conn, send, on_ready):
         self.engine, self.conn, self.send, self.on_ready = llm.engine, conn, send, on_ready
@@ -5675,15 +5677,16 @@ class EngineThread:
         self.thread.start()
 
     def stop(self, timeout):
-        """Fail every open job (503), tell the HTTP process to stop, and end the thread."""
+        """Fail every open job (503) and end the thread."""
         self.stopping.set()
         with contextlib.suppress(OSError):
             self.wake_writer.send(b"x")
         self.thread.join(timeout)
 
     def wait_idle(self, timeout=None):
-        with self.idle_changed:
-            return self.idle_changed.wait_for(lambda: self.idle, timeout)
+        with self.idle_changed:  # (a command in the pipe that the thread has not read: not idle)
+            return self.idle_changed.wait_for(lambda: self.idle and not self.conn.poll(),
+                                              timeout)
 
     def _set_idle(self, idle):
         with self.idle_changed:
@@ -5718,15 +5721,13 @@ class EngineThread:
                     if not self._fail_all(events, 500, "internal error in the engine (logged "
                                                        "by the server)"):
                         self._send_events(events)
-                        break  # an engine that cannot be reset would fail every step: the
-                        # thread ends, and the HTTP process sees the pipe closed (503)
+                        self.send(("engine failed",))  # one that cannot be reset would fail
+                        break  # every step: the thread ends, and the HTTP process answers 503
                 self._send_events(events)
             else:
                 events = []
                 self._fail_all(events, 503, "the server is shutting down")
                 self._send_events(events)
-        with contextlib.suppress(OSError):
-            self.send(("stop",))
         self._set_idle(True)
 
     def _next_commands(self):
@@ -5738,9 +5739,12 @@ class EngineThread:
             if self.stopping.is_set():
                 return []
         commands = []
-        while self.conn.poll():
-            commands.append(self.conn.recv())
-        if self.idle and (commands or self.engine.has_unfinished()):
+        if self.conn.poll():
+            if self.idle:  # (before the commands leave the pipe: see wait_idle)
+                self._set_idle(False)
+            while self.conn.poll():
+                commands.append(self.conn.recv())
+        elif self.idle and self.engine.has_unfinished():
             self._set_idle(False)
         return commands
 
@@ -5754,13 +5758,13 @@ class EngineThread:
     def _ready(self, events):
         self.on_ready()
 
-    def _add(self, events, job_id, requests):
+    def _add(self, events, job_id, n, requests):
         seqs = []  # every choice checked before any is queued: a job runs whole or not at all
         for index, (request_id, prompt, params) in enumerate(requests):
             try:
                 seqs.append(self.engine.new_sequence(request_id, prompt, SamplingParams(**params)))
             except ValueError as e:  # its message names the engine's request id: the client's
-                name = "the prompt" if len(requests) == 1 else f"prompt {index}"
+                name = "the prompt" if len(requests) == n else f"prompt {index // n}"
                 events.append(("refused", job_id, str(e).replace(f"prompt {request_id!r}", name)))
                 return
         for seq in seqs:
@@ -5826,6 +5830,7 @@ class EngineLink:
         self.deliveries = {}  # job -> its Delivery, until it is done
         self.checked = time.monotonic()  # when _serve_deliveries last looked for clients gone
         self.open = False  # whether the engine was last told that a request is open here
+        self.gone = None  # why the engine can serve no more (it failed), or None
         self.thread = threading.Thread(target=self.run, name="link", daemon=True)
 
     def add(self, job):
@@ -5859,15 +5864,19 @@ class EngineLink:
                     LOG.exception("the link failed on a %r command", command[0])
                     command[1].replies.put(("failed", 500, "internal error (logged by the "
                                                            "server)"))
+                    if command[0] == "deliver":  # (its HTTP thread waits on the delivery)
+                        command[2].error = APIError("internal error (logged by the server)",
+                                                    500)
+                        command[2].done.set()
             try:
                 while self.conn.poll():
                     message = self.conn.recv()
                     if message[0] == "stop":
-                        self._stop("the server is shutting down")
+                        self._end_all("the server is shutting down")
                         return
                     getattr(self, "_on_" + message[0].replace(" ", "_"))(*message[1:])
-            except (EOFError, OSError):  # the engine's process ended, or its thread died
-                self._stop("the engine has stopped (the server logged why)")
+            except (EOFError, OSError):  # the engine's process has ended
+                self._end_all("the engine has stopped")
                 return
             self._serve_deliveries()
             open_ = bool(self.jobs or self.live or self.deliveries)
@@ -5925,9 +5934,12 @@ class EngineLink:
         if not self.open:  # (before the add: the engine's wait_idle must not see both idle)
             self.open = True
             self._send(("idle", False))
+        if self.gone is not None:  # (the engine has failed: no request runs any more)
+            job.replies.put(("failed", 503, self.gone))
+            return
         self.jobs[job.id] = job
-        self._send(("add", job.id, [(request_id, prompt, dataclasses.asdict(params))
-                                    for request_id, prompt, params in job.requests]))
+        self._send(("add", job.id, job.n, [(request_id, prompt, dataclasses.asdict(params))
+                                           for request_id, prompt, params in job.requests]))
 
     def _deliver(self, job, delivery):
         self.deliveries[job] = delivery
@@ -5956,6 +5968,10 @@ class EngineLink:
     def _on_load_failed(self, message):
         self.app.load_error = message
 
+    def _on_engine_failed(self):
+        self.gone = "the engine has stopped (the server logged why)"
+        self._end_all(self.gone)
+
     def _on_events(self, events, state):
         now, generated = time.perf_counter(), 0
         for event in events:
@@ -5964,7 +5980,7 @@ class EngineLink:
             elif event[0] == "accepted":
                 job = self.jobs.pop(event[1], None)
                 if job is None:  # aborted while the engine took it: it ends here
-                    self._send(("abort", self.dropped.pop(event[1])))
+                    self._send(("abort", self.dropped.pop(event[1], [])))
                     continue
                 for index, (request_id, prompt, _) in enumerate(job.requests):
                     self.live[request_id] = Choice(job, index)
@@ -6012,10 +6028,9 @@ class EngineLink:
             if choice.sent > 1:
                 self.metrics.tpot.observe((choice.last - choice.first) / (choice.sent - 1))
 
-    def _stop(self, message):
-        """The engine is gone (stopped, or its thread died): every open job fails with a 503,
-        each open delivery ends with it, and the thread ends (HTTP threads that see it gone
-        answer 503)."""
+    def _end_all(self, message):
+        """The engine serves no more (stopped, failed, or its process gone): every open job
+        fails with a 503 and `message`, and each open delivery ends with it."""
         jobs = {id(job): job for job in self.jobs.values()}
         jobs.update((id(choice.job), choice.job) for choice in self.live.values())
         for job in jobs.values():
@@ -6139,11 +6154,11 @@ class Metrics:
 #
 # A generation's HTTP thread: the body is checked (generation_request), the Job goes to the
 # engine through the EngineLink, and once it is accepted a stream's headers go out and the
-# link's thread takes over (Delivery): each choice's tokens become text through its own Detokenizer (ChoiceText), a
-# stream's chunks go out as they come (Answer writes OpenAI's objects), and a choice that meets a
-# stop string is aborted in the engine. The HTTP thread then writes a non-streamed response, or
-# an error. Whatever ends a request early (a client gone, a failed write, an error) aborts the
-# choices still running.
+# link's thread takes over (Delivery): each choice's tokens become text through its own
+# Detokenizer (ChoiceText), a stream's chunks go out as they come (Answer writes OpenAI's
+# objects), and a choice that meets a stop string is aborted in the engine. The HTTP thread
+# then writes a non-streamed response, or an error. Whatever ends a request early (a client
+# gone, a failed write, an error) aborts the choices still running.
 
 LOG = logging.getLogger("08_serve")
 SERVE_FILE = os.path.abspath(__file__)  # what the HTTP process runs (Server)
@@ -6500,13 +6515,13 @@ def sse_bytes(events, done, chunked):
 
 class Delivery:
     """A generation request after the engine accepted it, as the HTTP process's link thread
-    serves it (see EngineLink._serve_deliveries): after each step, the job's replies go through its choices'
-    ChoiceText (text, stop strings, logprobs) and, for a stream, out to the client as events,
-    at most every `interval` seconds: a chunk a choice, with every token since the last. Its
-    HTTP thread waits meanwhile (done), then sends what is left: a non-streamed answer, an
-    error, or the stream's last bytes.
+    serves it (see EngineLink._serve_deliveries): after each step, the job's replies go through
+    its choices' ChoiceText (text, stop strings, logprobs) and, for a stream, out to the client
+    as events, at most every `interval` seconds: a chunk a choice, with every token since the
+    last. Its HTTP thread waits meanwhile (done), then sends what is left: a non-streamed
+    answer, an error, or the stream's last bytes.
 
-    The socket is non-blocking meanwhile, so that no client can hold the engine: bytes it has
+    The socket is non-blocking meanwhile, so that no client can hold the link's thread: bytes it has
     not read yet wait in `pending`, and a client that reads nothing for `timeout` seconds, or
     falls MAX_PENDING_BYTES behind, is dropped like one that hung up (`gone`)."""
 
@@ -7120,11 +7135,15 @@ class Server:
                         log_level=LOG.getEffectiveLevel() if logging.getLogger().handlers
                         else None))
         if isinstance(llm, LLM):
-            self._start(llm)
-            while not self.ready.wait(0.1):  # the HTTP process has the tokenizer
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the HTTP process exited with status "
-                                       f"{self.process.returncode} before it was ready")
+            try:
+                self._start(llm)
+                while not self.ready.wait(0.1):  # the HTTP process has the tokenizer
+                    if self.process.poll() is not None:
+                        raise RuntimeError(f"the HTTP process exited with status "
+                                           f"{self.process.returncode} before it was ready")
+            except BaseException:
+                self.shutdown()
+                raise
         else:
             threading.Thread(target=self._load, args=(llm,), name="load", daemon=True).start()
 
@@ -7179,10 +7198,9 @@ class Server:
                 return
             self.stopped = True
         if self.engine is not None:
-            self.engine.stop(timeout)  # (it tells the HTTP process to stop)
-        else:
-            with contextlib.suppress(OSError):
-                self._send(("stop",))
+            self.engine.stop(timeout)  # (its last events fail the open requests)
+        with contextlib.suppress(OSError):
+            self._send(("stop",))
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:

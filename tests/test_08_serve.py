@@ -644,7 +644,11 @@ ERRORS = [  # (path, body, status, param, what the message says)
                                                     for i in range(500)}}}}}, 400,
      "response_format.json_schema.schema", r"is 14,\d{3} bytes of JSON, over the limit of 8,192"),
     ("/v1/completions", {"prompt": list(range(1, 301))}, 400, None,
-     "is 300 tokens, longer than max_model_len 256"),
+     "^the prompt is 300 tokens, longer than max_model_len 256"),
+    ("/v1/completions", {"prompt": list(range(1, 301)), "n": 2}, 400, None,
+     "^the prompt is 300 tokens"),
+    ("/v1/completions", {"prompt": [[1, 2], list(range(1, 301))], "n": 2}, 400, None,
+     "^prompt 1 is 300 tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 256}, 400, None,
      r"1 prompt tokens \+ max_tokens 256 = 257, beyond max_model_len 256"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
@@ -984,6 +988,50 @@ def test_a_client_gone_before_its_first_token_is_aborted(server, llm, monkeypatc
     assert not llm.engine.requests
     monkeypatch.undo()
     assert Client(server.url).post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_a_client_gone_before_the_engine_answers_is_aborted(q8, spare, monkeypatch):
+    """The engine thread held before it reads the add: the client hangs up meanwhile, its HTTP
+    thread gives up, and when the engine then accepts the request the HTTP process aborts it at
+    once. Nothing is left in the engine."""
+    server = q8.serve(spare)
+    gate, held = threading.Event(), threading.Event()
+    has_unfinished, real_abort, aborted = spare.engine.has_unfinished, spare.engine.abort, []
+
+    def hold():
+        if not gate.is_set():
+            held.set()
+            gate.wait()
+        return has_unfinished()
+
+    def abort(request_id):
+        aborted.append(spare.engine.requests[request_id].num_output_tokens)
+        real_abort(request_id)
+
+    try:
+        monkeypatch.setattr(spare.engine, "has_unfinished", hold)
+        monkeypatch.setattr(spare.engine, "abort", abort)
+        server.engine.wake_writer.send(b"x")
+        assert held.wait(10)
+        body = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        time.sleep(0.3)  # (the add is in the pipe)
+        sock.close()
+        time.sleep(0.3)  # (its HTTP thread has seen the client gone, and dropped the job)
+        gate.set()
+        assert server.wait_idle(10)
+        assert len(aborted) == 1 and aborted[0] < 200  # (aborted, not run to its end)
+        assert not spare.engine.requests and not server.engine.live
+        blocks = spare.engine.block_manager
+        assert blocks.num_free_blocks == blocks.num_blocks
+        after = Client(server.url, key=None).request("GET", "/metrics")[2].decode()
+        assert 'serve_request_success_total{finished_reason="length"} 0' in after
+    finally:
+        gate.set()
+        server.shutdown()
+    monkeypatch.undo()
 
 
 def test_a_client_gone_from_a_non_streamed_answer_is_aborted(server, llm, monkeypatch):
@@ -1363,6 +1411,36 @@ def test_while_loading_every_route_is_503(q8, spare):
         assert status == 503 and "config.json is missing" in json.loads(data)["error"]["message"]
     finally:
         server.shutdown()
+
+
+def test_an_engine_that_cannot_be_reset_ends_its_requests_and_the_server_answers_503(
+        q8, spare, monkeypatch):
+    """The engine fails mid-stream and its reset fails too: the stream ends with a 500 error
+    event, the engine thread ends, and from then on a generation is a 503 at once while the
+    other routes still answer; shutdown still stops everything."""
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    server = q8.serve(spare)
+    try:
+        client = Client(server.url, key=None)
+        monkeypatch.setattr(spare.engine, "advance", broken)
+        monkeypatch.setattr(spare.engine, "reset", broken)
+        status, _, data = client.request("POST", "/v1/completions", {
+            "prompt": "x", "max_tokens": 5, "stream": True})
+        blocks = data.decode().split("\n\n")
+        assert status == 200 and blocks[-2:] == ["data: [DONE]", ""]
+        check_envelope(json.loads(blocks[-3][6:]), 500)
+        server.engine.thread.join(10)
+        assert not server.engine.thread.is_alive()
+        status, out = client.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and "engine has stopped" in check_envelope(out, 503)["message"]
+        assert client.request("GET", "/v1/models")[0] == 200
+    finally:
+        server.shutdown()
+    assert server.process.poll() is not None  # (the HTTP process has exited)
+    monkeypatch.undo()
+    spare.engine.reset()
 
 
 def test_shutdown_ends_open_streams_and_stops(q8, spare, monkeypatch):
