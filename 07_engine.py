@@ -682,7 +682,7 @@ def load_tokenizer(model_dir):
                      _chat_template(model_dir, tok_config))
 
 
-def _one_piece(text):  # (a named function, not a lambda: a tokenizer pickles)
+def _one_piece(text):  # (a named function, not a lambda: a tokenizer pickles, for 08's server)
     return [text]
 
 

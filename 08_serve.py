@@ -651,7 +651,7 @@ def load_tokenizer(model_dir):
                      _chat_template(model_dir, tok_config))
 
 
-def _one_piece(text):  # (a named function, not a lambda: a tokenizer pickles)
+def _one_piece(text):  # (a named function, not a lambda: a tokenizer pickles, for 08's server)
     return [text]
 
 
@@ -5617,8 +5617,8 @@ def chat_logprobs_asked(body):
 # does: the engine thread then has its process to itself. With the HTTP in the engine's process,
 # each HTTP thread that took the lock kept the engine thread waiting between its steps, and the
 # engine thread also turned every stream's tokens into text and chunks (H200, bench_serve at 64
-# streams: 0.85-0.93x LLM.generate's tokens/s, p99 time to first token 2.9-3.75x concurrency
-# 1's; in two processes 0.96x and 2.5x, one run each, on different hosts).
+# streams, on different hosts: in one process 0.85-0.93x LLM.generate's tokens/s and p99 time
+# to first token 2.9-3.75x concurrency 1's; in two processes 0.96x and 2.5x).
 #
 # One pipe joins the two (a socket pair; each message a pickle):
 # - HTTP process -> engine: ("add", job id, choices a prompt, [(engine request id, prompt ids,
@@ -5626,11 +5626,10 @@ def chat_logprobs_asked(body):
 #   request open), and ("ready",) once it has the tokenizer.
 # - engine -> HTTP process: ("ready", tokenizer, max_model_len, vocab_size), ("load failed",
 #   message), ("engine failed",), ("stop",), and after each step one ("events", [...], the
-#   engine's state), the
-#   events being ("accepted", job id), ("refused", job id, message), ("failed", job id,
-#   status, message) and ("tokens", engine request id, new token ids, their logprobs,
-#   finish_reason or None, the eos or stop id that ended it or None): a step's new tokens, never
-#   the whole output again.
+#   engine's state), the events being ("accepted", job id), ("refused", job id, message),
+#   ("failed", job id, status, message) and ("tokens", engine request id, new token ids, their
+#   logprobs, finish_reason or None, the eos or stop id that ended it or None): a step's new
+#   tokens, never the whole output again.
 # Only plain data crosses from the HTTP side (lists, dicts, strings, numbers), so that the
 # engine's process can read it whatever name it gave this file's module.
 
@@ -6038,7 +6037,8 @@ class EngineLink:
             job.ending = True
         for choice in self.live.values():
             self._ended(choice, "abort")
-        self.jobs.clear(), self.live.clear()
+        self.jobs.clear()
+        self.live.clear()
         while not self.commands.empty():  # (a delivery handed over meanwhile ends too)
             command = self.commands.get()
             if command[0] == "deliver":
@@ -6050,7 +6050,6 @@ class EngineLink:
             delivery.error = APIError(message, 503)
             delivery.done.set()
         self.deliveries.clear()
-
 
 
 # ----------------------------------------------------------------------------------------------

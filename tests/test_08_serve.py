@@ -15,6 +15,7 @@ the module on a free loopback port; the tests that need a server of their own (l
 speculation) start one on the spare LLM, one after another, and stop it.
 """
 import contextlib
+import functools
 import html.parser
 import http.client
 import json
@@ -990,13 +991,12 @@ def test_a_client_gone_before_its_first_token_is_aborted(server, llm, monkeypatc
     assert Client(server.url).post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
 
 
-def test_a_client_gone_before_the_engine_answers_is_aborted(q8, spare, monkeypatch):
-    """The engine thread held before it reads the add: the client hangs up meanwhile, its HTTP
-    thread gives up, and when the engine then accepts the request the HTTP process aborts it at
-    once. Nothing is left in the engine."""
-    server = q8.serve(spare)
+def hold_engine(server, llm, monkeypatch):
+    """Stop the server's engine thread where it next asks whether the engine has work, and
+    return once it waits there: it goes on when the returned Event is set. Commands sent
+    meanwhile stay in the pipe, to be read together."""
     gate, held = threading.Event(), threading.Event()
-    has_unfinished, real_abort, aborted = spare.engine.has_unfinished, spare.engine.abort, []
+    has_unfinished = functools.partial(type(llm.engine).has_unfinished, llm.engine)
 
     def hold():
         if not gate.is_set():
@@ -1004,15 +1004,26 @@ def test_a_client_gone_before_the_engine_answers_is_aborted(q8, spare, monkeypat
             gate.wait()
         return has_unfinished()
 
+    monkeypatch.setattr(llm.engine, "has_unfinished", hold)
+    server.engine.wake_writer.send(b"x")  # (it may be waiting for a command)
+    assert held.wait(10)
+    return gate
+
+
+def test_a_client_gone_before_the_engine_answers_is_aborted(q8, spare, monkeypatch):
+    """The engine thread held before it reads the add: the client hangs up meanwhile, its HTTP
+    thread gives up, and when the engine then accepts the request the HTTP process aborts it at
+    once. Nothing is left in the engine."""
+    server = q8.serve(spare)
+    real_abort, aborted, gate = spare.engine.abort, [], threading.Event()
+
     def abort(request_id):
         aborted.append(spare.engine.requests[request_id].num_output_tokens)
         real_abort(request_id)
 
     try:
-        monkeypatch.setattr(spare.engine, "has_unfinished", hold)
         monkeypatch.setattr(spare.engine, "abort", abort)
-        server.engine.wake_writer.send(b"x")
-        assert held.wait(10)
+        gate = hold_engine(server, spare, monkeypatch)
         body = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True}).encode()
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
@@ -1276,14 +1287,7 @@ def test_a_failing_command_fails_alone(q8, spare, monkeypatch):
     only: the add after it in the same batch of commands still runs, and a stop after a failing
     add still stops the engine thread, so that shutdown returns at once."""
     server = q8.serve(spare)
-    gate, held = threading.Event(), threading.Event()
-    has_unfinished, add_sequence, failed = spare.engine.has_unfinished, spare.engine.add_sequence, []
-
-    def hold():  # the engine thread asks first thing each round: it waits here while held
-        if not gate.is_set():
-            held.set()
-            gate.wait()
-        return has_unfinished()
+    add_sequence, failed, gate = spare.engine.add_sequence, [], threading.Event()
 
     def add_once(seq):
         if not failed:
@@ -1294,11 +1298,8 @@ def test_a_failing_command_fails_alone(q8, spare, monkeypatch):
     def batch(*actions):
         """Run the actions while the engine thread is held, then let it take their commands all
         at once from the pipe."""
-        gate.clear()
-        held.clear()
-        monkeypatch.setattr(spare.engine, "has_unfinished", hold)
-        server.engine.wake_writer.send(b"x")  # (it may be waiting for a command)
-        assert held.wait(10)
+        nonlocal gate
+        gate = hold_engine(server, spare, monkeypatch)
         threads = [threading.Thread(target=action) for action in actions]
         for t in threads:
             t.start()
