@@ -5712,6 +5712,10 @@ class EngineThread:
                         if command[0] == "add":
                             events.append(("failed", command[1], 500, "internal error in the "
                                            "engine (logged by the server)"))
+                # the answers to adds go before the step, which waits for the GPU: a stream's
+                # headers are out by the time its first token comes
+                self._send_events(events)
+                events = []
                 try:
                     if self.engine.has_unfinished():
                         self._step(events)
@@ -5815,9 +5819,9 @@ class EngineThread:
 
 class EngineLink:
     """The HTTP process's end of the pipe, on a thread of its own: it forwards the HTTP
-    threads' commands, add(job), deliver(job, delivery) and abort(job, choices, reason), to the
-    engine, turns the engine's events into each job's replies (see Job), and serves the
-    deliveries. It ends when the engine does."""
+    threads' commands, add(job, delivery) and abort(job, choices, reason), to the engine, turns
+    the engine's events into each job's replies (see Job), and serves the deliveries. It ends
+    when the engine does."""
 
     def __init__(self, conn, app):
         self.conn, self.app, self.metrics = conn, app, app.metrics
@@ -5832,12 +5836,10 @@ class EngineLink:
         self.gone = None  # why the engine can serve no more (it failed), or None
         self.thread = threading.Thread(target=self.run, name="link", daemon=True)
 
-    def add(self, job):
-        self._put(("add", job))
-
-    def deliver(self, job, delivery):
-        """From now on this thread serves the job's replies (see Delivery)."""
-        self._put(("deliver", job, delivery))
+    def add(self, job, delivery):
+        """Send the job to the engine; from now on this thread serves its replies (see
+        Delivery)."""
+        self._put(("add", job, delivery))
 
     def abort(self, job, choices=None, reason="abort"):
         """End a job's choices (default: all) still in the engine; reason, for the metrics: "stop"
@@ -5861,9 +5863,8 @@ class EngineLink:
                     getattr(self, "_" + command[0])(*command[1:])
                 except Exception:
                     LOG.exception("the link failed on a %r command", command[0])
-                    command[1].replies.put(("failed", 500, "internal error (logged by the "
-                                                           "server)"))
-                    if command[0] == "deliver":  # (its HTTP thread waits on the delivery)
+                    if command[0] == "add":  # (its HTTP thread waits on the delivery)
+                        self.deliveries.pop(command[1], None)
                         command[2].error = APIError("internal error (logged by the server)",
                                                     500)
                         command[2].done.set()
@@ -5912,7 +5913,7 @@ class EngineLink:
                 delivery.take(lambda index: self._abort(job, [index], "stop"))
                 if delivery.stream:
                     delivery.write(now)
-                if not delivery.finished and not (check and delivery.client_gone()):
+                if not delivery.finished and not (check and delivery.client_gone(now)):
                     continue
                 delivery.gone = not delivery.finished
             except APIError as e:
@@ -5929,19 +5930,17 @@ class EngineLink:
 
     # -- commands of the HTTP threads
 
-    def _add(self, job):
+    def _add(self, job, delivery):
         if not self.open:  # (before the add: the engine's wait_idle must not see both idle)
             self.open = True
             self._send(("idle", False))
+        self.deliveries[job] = delivery
         if self.gone is not None:  # (the engine has failed: no request runs any more)
             job.replies.put(("failed", 503, self.gone))
             return
         self.jobs[job.id] = job
         self._send(("add", job.id, job.n, [(request_id, prompt, dataclasses.asdict(params))
                                            for request_id, prompt, params in job.requests]))
-
-    def _deliver(self, job, delivery):
-        self.deliveries[job] = delivery
 
     def _abort(self, job, choices, reason):
         if choices is None and self.jobs.pop(job.id, None) is not None:
@@ -6039,11 +6038,10 @@ class EngineLink:
             self._ended(choice, "abort")
         self.jobs.clear()
         self.live.clear()
-        while not self.commands.empty():  # (a delivery handed over meanwhile ends too)
+        while not self.commands.empty():  # (a job added meanwhile ends too)
             command = self.commands.get()
-            if command[0] == "deliver":
+            if command[0] == "add":
                 self.deliveries[command[1]] = command[2]
-            elif command[0] == "add":
                 command[1].replies.put(("failed", 503, message))
         self._serve_deliveries()  # each open delivery takes its job's failure, and ends
         for delivery in self.deliveries.values():  # (none should be left)
@@ -6513,20 +6511,27 @@ def sse_bytes(events, done, chunked):
 
 
 class Delivery:
-    """A generation request after the engine accepted it, as the HTTP process's link thread
-    serves it (see EngineLink._serve_deliveries): after each step, the job's replies go through
-    its choices' ChoiceText (text, stop strings, logprobs) and, for a stream, out to the client
-    as events, at most every `interval` seconds: a chunk a choice, with every token since the
-    last. Its HTTP thread waits meanwhile (done), then sends what is left: a non-streamed
-    answer, an error, or the stream's last bytes.
+    """A generation request from the moment it is sent to the engine, as the HTTP process's
+    link thread serves it (see EngineLink._serve_deliveries): the engine's answer comes first (a
+    refusal raises its APIError; an acceptance sends a stream's `head`, its status line and
+    headers, at once); then after each step the job's replies go through its choices'
+    ChoiceText (text, stop strings, logprobs) and, for a stream, out to the client as events,
+    at most every `interval` seconds: a chunk a choice, with every token since the last. Its
+    HTTP thread waits meanwhile (done), then sends what is left: a non-streamed answer, an
+    error, or the stream's last bytes.
+
+    The link thread, not the HTTP thread, starts the stream: an HTTP thread woken by the
+    acceptance would wait for the interpreter lock while the link writes 63 other streams, and
+    the first token would wait for it.
 
     The socket is non-blocking meanwhile, so that no client can hold the link's thread: bytes it has
     not read yet wait in `pending`, and a client that reads nothing for `timeout` seconds, or
     falls MAX_PENDING_BYTES behind, is dropped like one that hung up (`gone`)."""
 
-    def __init__(self, job, answer, choices, replies, sock, chunked, interval, timeout):
-        self.job, self.answer, self.choices = job, answer, choices
-        self.replies = list(replies)  # taken from the job's queue with the engine's answer
+    def __init__(self, job, answer, choices, head, sock, chunked, interval, timeout):
+        self.job, self.answer, self.choices, self.head = job, answer, choices, head
+        self.accepted = False  # the engine took the request
+        self.started = False  # a stream's head is queued (an error is then a last event)
         self.sock, self.chunked = sock, chunked
         self.stream, self.interval, self.timeout = answer.request.stream, interval, timeout
         self.news = {}  # a stream's choice index -> ([text], [logprob entries]) not sent yet
@@ -6536,6 +6541,9 @@ class Delivery:
         self.error = None  # the APIError that ended it
         self.gone = False  # its client hung up, or stopped reading
         self.done = threading.Event()
+        # (a client is first looked for POLL_SECONDS in, as when its HTTP thread waited: one
+        # that half-closed its socket after a fast request still gets its answer)
+        self.since = time.monotonic()
 
     @property
     def finished(self):
@@ -6554,13 +6562,18 @@ class Delivery:
         """The replies come so far, as text; stop(index): a stop string ended that choice, which
         the engine must stop too. A failure raises its APIError. A choice's replies of several
         steps are taken as one (ChoiceText.add gives the same text for them)."""
-        replies, self.replies, queued = self.replies, [], self.job.replies
+        replies, queued = [], self.job.replies
         while not queued.empty():
             replies.append(queued.get())
         merged = {}  # choice index -> [tokens, logprobs or None, finish_reason, stop_token_id]
         for reply in replies:
             if reply[0] == "failed":
                 raise APIError(reply[2], reply[1])
+            if reply[0] == "refused":  # (the engine's ValueError: a 400 before any byte went)
+                raise APIError(reply[1])
+            if reply[0] == "accepted":
+                self.accepted = True
+                continue
             _, index, tokens, logprobs, finish_reason, stop_token_id = reply
             if index not in merged:
                 merged[index] = [list(tokens), None if logprobs is None else list(logprobs),
@@ -6584,17 +6597,19 @@ class Delivery:
                 all_entries += entries
 
     def write(self, now):
-        """A stream's chunks when due, and its end once finished; then as much of what is
-        pending as the socket takes without waiting. ClientGone or OSError: drop the client."""
+        """A stream's head once accepted, its chunks when due, and its end once finished; then
+        as much of what is pending as the socket takes without waiting. ClientGone or OSError:
+        drop the client."""
+        if self.accepted and not self.started:
+            self._queue(self.head, now)
+            self.started = True
         finished = self.finished and not self.ended
         if finished or (self.news and now >= self.next_write and not self.ended):
             events = [self.answer.chunk(self.choices[i], "".join(pieces), entries)
                       for i, (pieces, entries) in self.news.items()]
             if finished and self.answer.request.include_usage:
                 events.append(self.answer.usage_chunk(self.choices))
-            if not self.pending:
-                self.progress = now  # (the clock of a client that reads nothing)
-            self.pending += sse_bytes(events, finished, self.chunked)
+            self._queue(sse_bytes(events, finished, self.chunked), now)
             self.news, self.next_write, self.ended = {}, now + self.interval, finished
         if self.pending:
             try:
@@ -6607,8 +6622,15 @@ class Delivery:
             elif now - self.progress > self.timeout or len(self.pending) > MAX_PENDING_BYTES:
                 raise ClientGone()
 
-    def client_gone(self):
+    def _queue(self, data, now):
+        if not self.pending:
+            self.progress = now  # (the clock of a client that reads nothing)
+        self.pending += data
+
+    def client_gone(self, now):
         """Whether the client has closed its end: a peek at the (non-blocking) socket."""
+        if now - self.since < POLL_SECONDS:
+            return False
         try:
             return self.sock.recv(1, socket.MSG_PEEK) == b""
         except BlockingIOError:  # nothing to read: still there
@@ -6746,7 +6768,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self):
         self.body_state, self.streaming = "unread", False  # "unread", "reading", "read"
-        self.checked = time.monotonic()  # when wait() last checked that the client is there
         path = self.path.split("?", 1)[0]
         try:
             if path != "/health" and not self.app.ready.is_set():
@@ -6895,95 +6916,55 @@ class Handler(BaseHTTPRequestHandler):
         tokenizer, engine = self.app.tokenizer, self.app.engine
         request = generation_request(body, chat, tokenizer, self.app.vocab_size)
         answer = Answer(request, self.app.model_name, tokenizer.token_bytes)
-        job, choices = Job(answer.id, request.prompts, request.params), []
-        engine.add(job)
+        job = Job(answer.id, request.prompts, request.params)
+        choices = [ChoiceText(i, tokenizer, request.stop, request.logprobs)
+                   for i in range(len(request.params))]
+        head = b""  # a stream's first bytes, sent by the link's thread once the engine accepts
+        if request.stream:
+            head = self.stream_head()
+            if chat:
+                head += sse_bytes([answer.role_chunk(choice) for choice in choices], False,
+                                  self.chunked)
+        # from here the link's thread serves the request (see Delivery); this thread waits
+        delivery = Delivery(job, answer, choices, head, self.connection,
+                            request.stream and self.chunked, self.app.stream_interval,
+                            self.timeout)
+        self.connection.setblocking(False)
         try:
-            # the first is the engine's answer; tokens may follow
-            (reply, *replies) = self.wait(job)
-            if reply[0] != "accepted":  # refused: the engine's ValueError; or failed
-                raise APIError(reply[1]) if reply[0] == "refused" else APIError(reply[2], reply[1])
-            choices = [ChoiceText(i, tokenizer, request.stop, request.logprobs)
-                       for i in range(len(request.params))]
-            if request.stream:
-                self.start_stream()
-                if chat:
-                    self.write_events([answer.role_chunk(choice) for choice in choices])
-            # the link's thread serves the rest (see Delivery); this thread waits
-            delivery = Delivery(job, answer, choices, replies, self.connection,
-                                request.stream and self.chunked, self.app.stream_interval,
-                                self.timeout)
-            self.connection.setblocking(False)
-            try:
-                engine.deliver(job, delivery)
-                # (rarely awake: 64 threads waking every 50 ms take the interpreter lock from
-                # the link's thread too)
-                while not delivery.done.wait(1.0):
-                    if not engine.thread.is_alive():  # (one that died serves no more)
-                        delivery.error = APIError("the engine has stopped (the server logged "
-                                                  "why)", 503)
-                        break
-            finally:
-                self.connection.settimeout(self.timeout)
-            if delivery.gone:
-                raise ClientGone()
-            self.wfile.write(delivery.pending)  # a stream's bytes the socket had not taken
-            if delivery.error is not None:
-                raise delivery.error
-            if not request.stream:
-                self.send_json(200, answer.response(choices))
+            engine.add(job, delivery)
+            # (rarely awake: 64 threads waking every 50 ms take the interpreter lock from the
+            # link's thread too)
+            while not delivery.done.wait(1.0):
+                if not engine.thread.is_alive():  # (one that died serves no more)
+                    delivery.error = APIError("the engine has stopped (the server logged why)",
+                                              503)
+                    break
         finally:
-            if not choices or any(choice.finish_reason is None for choice in choices):
-                engine.abort(job)  # whatever ended this early: its choices end in the engine too
+            self.connection.settimeout(self.timeout)
+            if not delivery.finished:  # whatever ended it early: its choices end in the engine
+                engine.abort(job)
+        if delivery.gone:
+            raise ClientGone()
+        if delivery.started:  # the status line is out (or pending): an error is an event now
+            self.streaming = True
+            self.log_request(200)
+        self.wfile.write(delivery.pending)  # a stream's bytes the socket had not taken
+        if delivery.error is not None:
+            raise delivery.error
+        if not request.stream:
+            self.send_json(200, answer.response(choices))
 
-    def wait(self, job):
-        """The job's next replies: at least one, and all that have come. Every POLL_SECONDS,
-        whether replies come or not, check that the client is still there (ClientGone if not):
-        a client that hangs up before the engine has answered would hold its KV blocks."""
-        while True:
-            try:
-                replies = [job.replies.get(timeout=POLL_SECONDS)]
-            except queue.Empty:
-                replies = []
-            now = time.monotonic()
-            if now - self.checked >= POLL_SECONDS:  # (a peek at the socket: a system call)
-                self.checked = now
-                if self.client_gone():
-                    raise ClientGone()
-            if replies:
-                break
-            if self.app.stopped:  # (an engine that has stopped replies no more)
-                raise APIError("the server is shutting down", 503)
-            if not self.app.engine.thread.is_alive():  # (nor does one that died)
-                raise APIError("the engine has stopped (the server logged why)", 503)
-        while not job.replies.empty():
-            replies.append(job.replies.get())
-        return replies
-
-    def client_gone(self):
-        """Whether the client has closed its end: a peek at the socket that does not wait (an
-        end of file reads as b"")."""
-        sock = self.connection
-        sock.settimeout(0)
-        try:
-            return sock.recv(1, socket.MSG_PEEK) == b""
-        except BlockingIOError:  # nothing to read: still there
-            return False
-        except OSError:
-            return True
-        finally:
-            sock.settimeout(self.timeout)
-
-    def start_stream(self):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
+    def stream_head(self):
+        """A stream's status line and headers, as bytes (send_response would write them)."""
         self.chunked = self.request_version == "HTTP/1.1"
+        lines = [f"{self.protocol_version} 200 OK", f"Server: {self.version_string()}",
+                 f"Date: {self.date_time_string()}",
+                 "Content-Type: text/event-stream; charset=utf-8", "Cache-Control: no-cache"]
         if self.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
+            lines.append("Transfer-Encoding: chunked")
         else:  # HTTP/1.0 has no chunks: the end of the stream is the end of the connection
             self.close_connection = True
-        self.end_headers()
-        self.streaming = True
+        return "".join(line + "\r\n" for line in lines + [""]).encode("latin-1")
 
     def write_events(self, events, done=False):
         """Server-sent events in one write (sse_bytes); done: then `data: [DONE]` and the end of

@@ -1147,23 +1147,25 @@ def unchunk(data):
 
 def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, llm, monkeypatch):
     """Delivery.write on a socket that takes a few bytes at a time, or none: what it could not
-    send waits (the engine thread never blocks), the bytes that arrive in the end are the whole
-    stream; a client that reads nothing for `timeout` seconds, or falls MAX_PENDING_BYTES
-    behind, is dropped (ClientGone)."""
+    send waits (the link's thread never blocks), the bytes that arrive in the end are the head
+    and then the whole stream; a client that reads nothing for `timeout` seconds, or falls
+    MAX_PENDING_BYTES behind, is dropped (ClientGone). A refusal sends nothing."""
     tokenizer = llm.tokenizer
     ids = tokenizer.encode("Every effort moves you forward, €5 at a time")
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
-    def delivery(sock, timeout=1.0):
+    def delivery(sock, timeout=1.0, engine_answer=("accepted",)):
         body = {"prompt": "x", "max_tokens": len(ids), "stream": True,
                 "stream_options": {"include_usage": True}}
         request = q8.generation_request(body, False, tokenizer, llm.model.cfg.vocab_size)
         answer = q8.Answer(request, "m", tokenizer.token_bytes)
         choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
         job = q8.Job(answer.id, request.prompts, request.params)
+        job.replies.put(engine_answer)
         for i, token in enumerate(ids):
             job.replies.put(("tokens", 0, [token], None,
                              "length" if i == len(ids) - 1 else None, None))
-        return q8.Delivery(job, answer, choices, [], sock, True, 0.0, timeout)
+        return q8.Delivery(job, answer, choices, head, sock, True, 0.0, timeout)
 
     sock = StallingSocket([5, 0, 0, 3, 0, 7] * 20)
     d = delivery(sock)
@@ -1172,10 +1174,19 @@ def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, l
         d.take(lambda index: pytest.fail("no stop string here"))
         d.write(now)
         now += 0.1
-    events = [json.loads(e[6:]) for e in unchunk(sock.data).decode().split("\n\n")[:-2]]
+    assert d.started and sock.data.startswith(head)
+    body = unchunk(sock.data[len(head):])
+    events = [json.loads(e[6:]) for e in body.decode().split("\n\n")[:-2]]
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == tokenizer.decode(ids)
     assert events[-1]["usage"]["completion_tokens"] == len(ids)
-    assert unchunk(sock.data).endswith(b"data: [DONE]\n\n")
+    assert body.endswith(b"data: [DONE]\n\n")
+
+    sock = StallingSocket([100] * 10)
+    d = delivery(sock, engine_answer=("refused", "the prompt is too long"))
+    with pytest.raises(q8.APIError) as refused:
+        d.take(lambda index: pytest.fail("refused: nothing runs"))
+    assert refused.value.status == 400 and "too long" in str(refused.value)
+    assert not d.started and not d.pending and sock.data == b""
 
     d = delivery(StallingSocket([0] * 100), timeout=1.0)  # reads nothing
     d.take(lambda index: None)
@@ -1206,7 +1217,7 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
         answer = q8.Answer(request, "m", tokenizer.token_bytes)
         choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
         job = q8.Job(answer.id, request.prompts, request.params)
-        return q8.Delivery(job, answer, choices, [], StallingSocket([]), True, 1.0, 10.0), job
+        return q8.Delivery(job, answer, choices, b"", StallingSocket([]), True, 1.0, 10.0), job
 
     def reply(i):  # step i's reply: token i, its logprob, "length" on the last
         last = i == len(ids) - 1
@@ -1416,9 +1427,10 @@ def test_while_loading_every_route_is_503(q8, spare):
 
 def test_an_engine_that_cannot_be_reset_ends_its_requests_and_the_server_answers_503(
         q8, spare, monkeypatch):
-    """The engine fails mid-stream and its reset fails too: the stream ends with a 500 error
-    event, the engine thread ends, and from then on a generation is a 503 at once while the
-    other routes still answer; shutdown still stops everything."""
+    """The engine fails on a stream's first step and its reset fails too: the stream ends with
+    a 500 (its status, or its last event if its head had gone out), the engine thread ends,
+    and from then on a generation is a 503 at once while the other routes still answer;
+    shutdown still stops everything."""
     def broken(*args):
         raise RuntimeError("a bug")
 
@@ -1429,9 +1441,12 @@ def test_an_engine_that_cannot_be_reset_ends_its_requests_and_the_server_answers
         monkeypatch.setattr(spare.engine, "reset", broken)
         status, _, data = client.request("POST", "/v1/completions", {
             "prompt": "x", "max_tokens": 5, "stream": True})
-        blocks = data.decode().split("\n\n")
-        assert status == 200 and blocks[-2:] == ["data: [DONE]", ""]
-        check_envelope(json.loads(blocks[-3][6:]), 500)
+        if status == 200:  # (the engine accepted it a message before the step failed)
+            blocks = data.decode().split("\n\n")
+            assert blocks[-2:] == ["data: [DONE]", ""]
+            check_envelope(json.loads(blocks[-3][6:]), 500)
+        else:
+            assert status == 500 and check_envelope(json.loads(data), 500)
         server.engine.thread.join(10)
         assert not server.engine.thread.is_alive()
         status, out = client.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
