@@ -18,6 +18,7 @@ import contextlib
 import functools
 import html.parser
 import http.client
+import http.server
 import json
 import multiprocessing.connection
 import os
@@ -1115,6 +1116,84 @@ def test_connections_past_the_limit_get_a_503_at_once(q8, spare):
         for sock in held:
             sock.close()
         server.shutdown()
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_connection_threads_serve_one_connection_after_another(q8):
+    """_HTTPServer, with a handler that names its thread: a connection's thread, once its client
+    has gone, serves the next connection; a thread starts only when none is free."""
+    class Ident(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            body = str(threading.get_ident()).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = q8._HTTPServer(socket.create_server(("127.0.0.1", 0)), Ident, max_connections=8)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        def connect():
+            conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=10)
+            conn.request("GET", "/")
+            return conn, conn.getresponse().read()
+
+        first = []
+        for _ in range(5):  # one at a time: one thread
+            conn, ident = connect()
+            conn.close()
+            wait_for(lambda: httpd.waiting_threads == 1)
+            first.append(ident)
+        assert len(set(first)) == 1
+        held = [connect() for _ in range(4)]  # four at once: three more threads
+        assert len({ident for _, ident in held}) == 4 and first[0] in {i for _, i in held}
+        for conn, _ in held:
+            conn.close()
+        wait_for(lambda: httpd.waiting_threads == 4 and httpd.connections == 0)
+        again = [connect() for _ in range(4)]  # the same four threads
+        assert {ident for _, ident in again} == {ident for _, ident in held}
+        for conn, _ in again:
+            conn.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_deadlines_run_their_actions_in_time_unless_cancelled(q8):
+    """Deadlines: each action runs once its time has come, in the order of their times, a
+    cancelled one never; an action that raises is logged and the thread goes on."""
+    deadlines, ran = q8.Deadlines(), []
+
+    def action(name):
+        def run():
+            ran.append((name, time.monotonic()))
+            if name == "raises":
+                raise RuntimeError("a bug")
+        return run
+
+    start = time.monotonic()
+    deadlines.add(0.3, action("late"))
+    cancelled = deadlines.add(0.1, action("cancelled"))
+    deadlines.add(0.05, action("raises"))
+    deadlines.add(0.15, action("soon"))  # (sooner than the first: the thread's wait is cut)
+    deadlines.cancel(cancelled)
+    wait_for(lambda: len(ran) == 3)
+    assert [name for name, _ in ran] == ["raises", "soon", "late"]
+    for (name, when), seconds in zip(ran, (0.05, 0.15, 0.3)):
+        assert when >= start + seconds
+    time.sleep(0.1)
+    assert len(ran) == 3
 
 
 class StallingSocket:
