@@ -841,7 +841,7 @@ def test_an_unexpected_error_is_a_500_and_the_server_goes_on(q8, server, client,
         assert status == 500 and check_envelope(out, 500)["message"].startswith("internal")
         assert Client(url, key=None).request("GET", "/v1/models")[0] == 200
         assert not conn.poll()  # (nothing reached the engine)
-    sock, sock_file = stream_request(server, {"prompt": "x", "max_tokens": 30,
+    sock, sock_file = stream_request(server, {"prompt": "x", "max_tokens": 200,
                                               "ignore_eos": True, "stream": True})
     with sock, monkeypatch.context() as m:
         assert read_stream(sock_file, 1)[0]["choices"][0]["text"]  # under way
