@@ -5902,12 +5902,18 @@ class EngineLink:
 
         A stream's replies wait until its next write is due (Delivery.due), and a few steps'
         replies then become text at once (when this ran on the engine thread, taking every
-        stream's replies every step was a fifth of its time under cProfile at concurrency 64)."""
+        stream's replies every step was a fifth of its time under cProfile at concurrency 64).
+
+        Streams whose first chunk has not gone yet are served first: behind 63 older streams'
+        chunks, a new stream's first token waited 0.5-0.7 ms here at the median and 1.7 ms at
+        p99; served first, 0.1-0.2 ms (the stand-in engine of Deadlines' figures)."""
         now = time.monotonic()
         check = now - self.checked >= POLL_SECONDS
         if check:
             self.checked = now
-        for job, delivery in list(self.deliveries.items()):
+        # (next_write: 0 until a stream's first chunk is queued)
+        for job, delivery in sorted(self.deliveries.items(),
+                                    key=lambda item: item[1].next_write > 0):
             if not (check or delivery.due(now)):
                 continue
             try:

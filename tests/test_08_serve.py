@@ -1341,6 +1341,53 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
     assert d.due(0.5)
 
 
+def test_a_new_streams_first_chunk_goes_before_older_streams_chunks(q8, llm):
+    """EngineLink._serve_deliveries: in one pass, a stream whose first chunk has not gone yet is
+    written before the older streams that are due, though it arrived after them."""
+    tokenizer, sent = llm.tokenizer, []  # the streams, in the order their sockets took bytes
+    token = tokenizer.encode(" hello")[0]
+
+    class Recorder:  # a non-blocking socket that takes everything and has nothing to read
+        def __init__(self, name):
+            self.name = name
+
+        def send(self, data):
+            sent.append(self.name)
+            return len(data)
+
+        def recv(self, size, flags=0):
+            raise BlockingIOError
+
+    def stream(name):
+        body = {"prompt": "x", "max_tokens": 50, "stream": True}
+        request = q8.generation_request(body, False, tokenizer, llm.model.cfg.vocab_size)
+        answer = q8.Answer(request, "m", tokenizer.token_bytes)
+        choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
+        job = q8.Job(answer.id, request.prompts, request.params)
+        job.replies.put(("accepted",))
+        return job, q8.Delivery(job, answer, choices, b"head", Recorder(name), True, 0.0, 10.0)
+
+    ours, theirs = socket.socketpair()
+    with theirs:
+        link = q8.EngineLink(multiprocessing.connection.Connection(ours.detach()),
+                             types.SimpleNamespace(metrics=q8.Metrics()))
+        olds = [stream(f"old {i}") for i in range(3)]
+        link.deliveries.update(olds)
+        for job, _ in olds:
+            job.replies.put(("tokens", 0, [token], None, None, None))
+        link._serve_deliveries()  # their heads and first chunks, in order of arrival
+        assert sent == ["old 0", "old 1", "old 2"]
+        new = stream("new")
+        link.deliveries.update([new])
+        for job, _ in olds + [new]:  # a step's tokens for all four: every one is due
+            job.replies.put(("tokens", 0, [token], None, None, None))
+        sent.clear()
+        link._serve_deliveries()
+        assert sent == ["new", "old 0", "old 1", "old 2"]
+        assert new[1].started and all(d.news == {} for _, d in olds + [new])
+        link.conn.close()
+
+
 def test_speculative_decoding_across_concurrent_requests(q8, checkpoint, reference):
     """n-gram speculation on, 8 concurrent greedy streams of repetitive prompts: the outputs of
     plain decoding, and drafts were proposed and accepted along the way."""
