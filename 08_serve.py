@@ -6527,9 +6527,9 @@ class Delivery:
     HTTP thread waits meanwhile (done), then sends what is left: a non-streamed answer, an
     error, or the stream's last bytes.
 
-    The link thread, not the HTTP thread, starts the stream: an HTTP thread woken by the
-    acceptance would wait for the interpreter lock while the link writes 63 other streams, and
-    the first token would wait for it.
+    The link thread, not the HTTP thread, starts the stream: nothing reaches the socket before
+    the link holds the delivery, so a link that ends (the server stops) ends every stream that
+    began, with its error event.
 
     The socket is non-blocking meanwhile, so that no client can hold the link's thread: bytes it has
     not read yet wait in `pending`, and a client that reads nothing for `timeout` seconds, or
