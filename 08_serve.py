@@ -5626,11 +5626,11 @@ def chat_logprobs_asked(body):
 #   SamplingParams as a dict)]), ("abort", [engine request ids]), ("idle", whether it has no
 #   request open), and ("ready",) once it has the tokenizer.
 # - engine -> HTTP process: ("ready", tokenizer, max_model_len, vocab_size), ("load failed",
-#   message), ("engine failed",), ("stop",), and after each step one ("events", [...], the
-#   engine's state), the events being ("accepted", job id), ("refused", job id, message),
-#   ("failed", job id, status, message) and ("tokens", engine request id, new token ids, their
-#   logprobs, finish_reason or None, the eos or stop id that ended it or None): a step's new
-#   tokens, never the whole output again.
+#   message), ("engine failed",), ("stop",), and ("events", [...], the engine's state): the
+#   answers to adds before a step, its tokens after it; the events being ("accepted", job id),
+#   ("refused", job id, message), ("failed", job id, status, message) and ("tokens", engine
+#   request id, new token ids, their logprobs, finish_reason or None, the eos or stop id that
+#   ended it or None): a step's new tokens, never the whole output again.
 # Only plain data crosses from the HTTP side (lists, dicts, strings, numbers), so that the
 # engine's process can read it whatever name it gave this file's module.
 
