@@ -1225,6 +1225,18 @@ def unchunk(data):
             return bytes(body)
 
 
+def stream_delivery(q8, llm, body, sock, head=b"", interval=0.0, timeout=10.0):
+    """A streamed completion's Job, and its Delivery to `sock`, as Handler.generate makes
+    them."""
+    tokenizer = llm.tokenizer
+    request = q8.generation_request(dict(body, prompt="x", stream=True), False, tokenizer,
+                                    llm.model.cfg.vocab_size)
+    answer = q8.Answer(request, "m", tokenizer.token_bytes)
+    choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
+    job = q8.Job(answer.id, request.prompts, request.params)
+    return job, q8.Delivery(job, answer, choices, head, sock, True, interval, timeout)
+
+
 def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, llm, monkeypatch):
     """Delivery.write on a socket that takes a few bytes at a time, or none: what it could not
     send waits (the link's thread never blocks), the bytes that arrive in the end are the head
@@ -1235,17 +1247,13 @@ def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, l
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
     def delivery(sock, timeout=1.0, engine_answer=("accepted",)):
-        body = {"prompt": "x", "max_tokens": len(ids), "stream": True,
-                "stream_options": {"include_usage": True}}
-        request = q8.generation_request(body, False, tokenizer, llm.model.cfg.vocab_size)
-        answer = q8.Answer(request, "m", tokenizer.token_bytes)
-        choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
-        job = q8.Job(answer.id, request.prompts, request.params)
+        job, d = stream_delivery(q8, llm, {"max_tokens": len(ids), "stream_options": {
+            "include_usage": True}}, sock, head, timeout=timeout)
         job.replies.put(engine_answer)
         for i, token in enumerate(ids):
             job.replies.put(("tokens", 0, [token], None,
                              "length" if i == len(ids) - 1 else None, None))
-        return q8.Delivery(job, answer, choices, head, sock, True, 0.0, timeout)
+        return d
 
     sock = StallingSocket([5, 0, 0, 3, 0, 7] * 20)
     d = delivery(sock)
@@ -1291,13 +1299,9 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
     stop_at = "€5 at"
 
     def new_delivery():
-        body = {"prompt": "x", "max_tokens": len(ids), "stream": True, "logprobs": 1,
-                "stop": [stop_at]}
-        request = q8.generation_request(body, False, tokenizer, llm.model.cfg.vocab_size)
-        answer = q8.Answer(request, "m", tokenizer.token_bytes)
-        choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
-        job = q8.Job(answer.id, request.prompts, request.params)
-        return q8.Delivery(job, answer, choices, b"", StallingSocket([]), True, 1.0, 10.0), job
+        job, d = stream_delivery(q8, llm, {"max_tokens": len(ids), "logprobs": 1,
+                                           "stop": [stop_at]}, StallingSocket([]), interval=1.0)
+        return d, job
 
     def reply(i):  # step i's reply: token i, its logprob, "length" on the last
         last = i == len(ids) - 1
@@ -1359,13 +1363,9 @@ def test_a_new_streams_first_chunk_goes_before_older_streams_chunks(q8, llm):
             raise BlockingIOError
 
     def stream(name):
-        body = {"prompt": "x", "max_tokens": 50, "stream": True}
-        request = q8.generation_request(body, False, tokenizer, llm.model.cfg.vocab_size)
-        answer = q8.Answer(request, "m", tokenizer.token_bytes)
-        choices = [q8.ChoiceText(0, tokenizer, request.stop, request.logprobs)]
-        job = q8.Job(answer.id, request.prompts, request.params)
+        job, d = stream_delivery(q8, llm, {"max_tokens": 50}, Recorder(name), b"head")
         job.replies.put(("accepted",))
-        return job, q8.Delivery(job, answer, choices, b"head", Recorder(name), True, 0.0, 10.0)
+        return job, d
 
     ours, theirs = socket.socketpair()
     with theirs:
