@@ -1388,6 +1388,58 @@ def test_a_new_streams_first_chunk_goes_before_older_streams_chunks(q8, llm):
         link.conn.close()
 
 
+def test_an_add_leaves_on_its_own_thread_and_its_answer_finds_the_job(q8, llm):
+    """EngineLink.add sends the add to the engine from the calling thread while the link's
+    thread is busy (held here in the handling of an engine message), and the engine's answer,
+    read in the same batch before the link's thread has taken the news of the job, still
+    reaches it: the stream's head, its token and its end go out."""
+    token = llm.tokenizer.encode(" hello")[0]
+    state = {"running": 0}
+    ours, theirs = socket.socketpair()
+    client, server_end = socket.socketpair()
+    engine = multiprocessing.connection.Connection(theirs.detach())
+    link = q8.EngineLink(multiprocessing.connection.Connection(ours.detach()),
+                         types.SimpleNamespace(metrics=q8.Metrics()))
+    held, release, on_events = threading.Event(), threading.Event(), link._on_events
+
+    def hold_once(events, state):
+        if not held.is_set():
+            held.set()
+            release.wait(10)
+        on_events(events, state)
+
+    link._on_events = hold_once
+    link.thread.start()
+    try:
+        engine.send(("events", [], state))
+        assert held.wait(10)
+        server_end.setblocking(False)
+        job, d = stream_delivery(q8, llm, {"max_tokens": 1}, server_end, b"head;")
+        link.add(job, d)  # the link's thread is held: the add cannot go through it
+        assert engine.poll(10) and engine.recv() == ("idle", False)
+        message = engine.recv()
+        assert message[:3] == ("add", job.id, 1) and message[3][0][0] == f"{job.id}-0"
+        engine.send(("events", [("accepted", job.id)], state))
+        engine.send(("events", [("tokens", f"{job.id}-0", [token], None, "length", None)],
+                     state))
+        release.set()
+        assert d.done.wait(10) and d.error is None and not d.gone
+        assert d.choices[0].finish_reason == "length"
+        assert not d.pending  # (the socket took every byte)
+        data = b""
+        client.settimeout(10)
+        while not data.endswith(b"0\r\n\r\n"):
+            data += client.recv(65536)
+        text = json.dumps({"text": llm.tokenizer.decode([token])})[1:-1].encode()
+        assert data.startswith(b"head;") and text in data and data.count(b"[DONE]") == 1
+    finally:
+        release.set()
+        engine.send(("stop",))
+        link.thread.join(10)
+        for sock in (client, server_end, engine):
+            sock.close()
+
+
 def test_speculative_decoding_across_concurrent_requests(q8, checkpoint, reference):
     """n-gram speculation on, 8 concurrent greedy streams of repetitive prompts: the outputs of
     plain decoding, and drafts were proposed and accepted along the way."""
