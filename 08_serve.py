@@ -7042,10 +7042,15 @@ class Deadlines:
 class _HTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with a thread a connection, up to max_connections of them: a client
     beyond them gets a 503 at once and is closed, rather than a thread (each holds its stack,
-    and all share one interpreter lock). A connection's thread, once its client is gone, waits
-    for the next connection instead of ending: a thread's start makes the accept loop wait until
-    the new thread holds the interpreter lock, which the link's thread, busy with 64 streams,
-    may keep for the switch interval (5 ms) while new clients wait to be read."""
+    and all share one interpreter lock).
+
+    There is no accept loop handing connections to threads: the idle connection threads all
+    wait in accept() (serve_forever's thread is one of them), the kernel gives a new connection
+    to one of them, and that thread serves it, then waits again. With a loop, each connection
+    went from its thread to another, whose wake-up waits for the interpreter lock too, which
+    the link's thread, busy with 64 streams, may hold. A thread starts when the last idle one
+    takes a connection, so that one always waits for the next (the one that answers the 503s,
+    once max_connections are open)."""
     request_queue_size = 128  # the listen backlog: a burst of clients may connect at once
 
     def __init__(self, sock, handler, max_connections):
@@ -7056,48 +7061,73 @@ class _HTTPServer(ThreadingHTTPServer):
         self.max_connections, self.connections = max_connections, 0
         self.requests_running = 0  # (the HTTP process waits for them when it stops)
         self.connections_lock = threading.Lock()
+        self.threads = self.idle_threads = 0  # connection threads, and those in accept()
+        self.stopping = False
         self.deadlines = Deadlines()
-        self.handoffs = queue.SimpleQueue()  # accepted connections, for the waiting threads
-        self.waiting_threads = 0  # connection threads waiting for one (none is promised yet)
 
-    def process_request(self, request, client_address):
+    def serve_forever(self, poll_interval=None):
+        """Take connections on this thread, and on more as needed, until shutdown()."""
         with self.connections_lock:
-            full = self.connections >= self.max_connections
-            start = not full and self.waiting_threads == 0
-            if not full:
-                self.connections += 1
-                self.waiting_threads -= not start  # (that thread's next connection is this one)
-        if full:
-            body = _json_bytes(APIError(f"the server has {self.max_connections} connections "
-                                        f"open, its limit: retry later", 503).body())
-            response = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
-                        b"\r\nContent-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s"
-                        % (len(body), body))
-            with contextlib.suppress(OSError):
-                request.setblocking(False)  # (the accept loop's thread must never wait on one)
-                request.send(response)
-            self.shutdown_request(request)
-        elif start:  # (a daemon thread: a client that stays connected keeps no exit waiting)
-            try:
-                threading.Thread(target=self.connection_thread, args=(request, client_address),
-                                 name="connection", daemon=True).start()
-            except BaseException:  # (no thread started: none will count it off)
-                with self.connections_lock:
-                    self.connections -= 1
-                raise
-        else:
-            self.handoffs.put((request, client_address))
+            self.threads += 1
+        self.connection_thread()
 
-    def connection_thread(self, request, client_address):
-        """Serve a connection, then wait for the next one, and so on."""
+    def shutdown(self):
+        """No connection is taken any more: every thread waiting in accept() sees an error
+        (Linux answers accept() on a listening socket shut down with EINVAL) and ends."""
+        self.stopping = True
+        with contextlib.suppress(OSError):
+            self.socket.shutdown(socket.SHUT_RDWR)
+
+    def connection_thread(self):
+        """Take a connection, serve it (or refuse it), and again, until shutdown()."""
         while True:
+            with self.connections_lock:
+                self.idle_threads += 1
+            try:
+                request, client_address = self.socket.accept()
+            except OSError:
+                with self.connections_lock:
+                    self.idle_threads -= 1
+                if self.stopping:
+                    with self.connections_lock:
+                        self.threads -= 1
+                    return
+                LOG.exception("accept() failed")  # (out of file descriptors, say)
+                time.sleep(0.1)
+                continue
+            with self.connections_lock:
+                self.idle_threads -= 1
+                full = self.connections >= self.max_connections
+                self.connections += not full
+                grow = self.idle_threads == 0 and self.threads <= self.max_connections
+                self.threads += grow
+            if grow:  # (a daemon thread: a client that stays connected keeps no exit waiting)
+                try:
+                    threading.Thread(target=self.connection_thread, name="connection",
+                                     daemon=True).start()
+                except BaseException:
+                    with self.connections_lock:
+                        self.threads -= 1
+                    LOG.exception("no connection thread could start")
+            if full:
+                self.refuse(request)
+                continue
             try:
                 self.process_request_thread(request, client_address)  # (handles it, closes it)
             finally:
                 with self.connections_lock:
                     self.connections -= 1
-                    self.waiting_threads += 1
-            request, client_address = self.handoffs.get()
+
+    def refuse(self, request):
+        body = _json_bytes(APIError(f"the server has {self.max_connections} connections open, "
+                                    f"its limit: retry later", 503).body())
+        response = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s"
+                    % (len(body), body))
+        with contextlib.suppress(OSError):
+            request.setblocking(False)  # (the thread that takes connections must not wait on one)
+            request.send(response)
+        self.shutdown_request(request)
 
 
 class HTTPSide:

@@ -1126,9 +1126,11 @@ def wait_for(condition, timeout=10.0):
         time.sleep(0.01)
 
 
-def test_connection_threads_serve_one_connection_after_another(q8):
-    """_HTTPServer, with a handler that names its thread: a connection's thread, once its client
-    has gone, serves the next connection; a thread starts only when none is free."""
+def test_connection_threads_take_turns_at_accept(q8):
+    """_HTTPServer, with a handler that names its thread: connections one at a time are served
+    by two threads (one serves while the other waits in accept); four at once by four, a fifth
+    then waiting; the next four by threads already there, none started. shutdown() ends them
+    all."""
     class Ident(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -1143,32 +1145,45 @@ def test_connection_threads_serve_one_connection_after_another(q8):
             pass
 
     httpd = q8._HTTPServer(socket.create_server(("127.0.0.1", 0)), Ident, max_connections=8)
-    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
-    try:
-        def connect():
-            conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=10)
-            conn.request("GET", "/")
-            return conn, conn.getresponse().read()
+    serving = threading.Thread(target=httpd.serve_forever, daemon=True)
+    serving.start()
 
+    def connect():
+        conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=10)
+        conn.request("GET", "/")
+        return conn, int(conn.getresponse().read())
+
+    def all_idle(threads):
+        wait_for(lambda: httpd.connections == 0 and httpd.idle_threads == threads)
+
+    try:
         first = []
-        for _ in range(5):  # one at a time: one thread
+        for _ in range(5):
             conn, ident = connect()
             conn.close()
-            wait_for(lambda: httpd.waiting_threads == 1)
+            all_idle(2)
             first.append(ident)
-        assert len(set(first)) == 1
-        held = [connect() for _ in range(4)]  # four at once: three more threads
-        assert len({ident for _, ident in held}) == 4 and first[0] in {i for _, i in held}
+        assert len(set(first)) <= 2 and httpd.threads == 2
+        held = [connect() for _ in range(4)]
+        assert len({ident for _, ident in held}) == 4
+        wait_for(lambda: httpd.idle_threads == 1)
+        assert httpd.threads == 5
         for conn, _ in held:
             conn.close()
-        wait_for(lambda: httpd.waiting_threads == 4 and httpd.connections == 0)
-        again = [connect() for _ in range(4)]  # the same four threads
-        assert {ident for _, ident in again} == {ident for _, ident in held}
+        all_idle(5)
+        alive = {t.ident for t in threading.enumerate()}
+        again = [connect() for _ in range(4)]
+        assert len({ident for _, ident in again}) == 4 and httpd.threads == 5
+        assert {ident for _, ident in again} <= alive
         for conn, _ in again:
             conn.close()
+        all_idle(5)
     finally:
         httpd.shutdown()
+        wait_for(lambda: httpd.threads == 0)
+        serving.join(10)
         httpd.server_close()
+    assert not serving.is_alive()
 
 
 def test_deadlines_run_their_actions_in_time_unless_cancelled(q8):
