@@ -7066,14 +7066,16 @@ class _HTTPServer(ThreadingHTTPServer):
         self.deadlines = Deadlines()
 
     def serve_forever(self, poll_interval=None):
-        """Take connections on this thread, and on more as needed, until shutdown()."""
+        """Take connections on this thread, and on more as needed, until shutdown()
+        (poll_interval: socketserver's, unused: no loop polls)."""
         with self.connections_lock:
             self.threads += 1
         self.connection_thread()
 
     def shutdown(self):
         """No connection is taken any more: every thread waiting in accept() sees an error
-        (Linux answers accept() on a listening socket shut down with EINVAL) and ends."""
+        and ends (Linux fails accept() on a listening socket shut down with EINVAL; where a
+        system does not, they wait on as daemon threads, and end with the process)."""
         self.stopping = True
         with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)
@@ -7105,7 +7107,7 @@ class _HTTPServer(ThreadingHTTPServer):
                 try:
                     threading.Thread(target=self.connection_thread, name="connection",
                                      daemon=True).start()
-                except BaseException:
+                except RuntimeError:  # ("can't start new thread": this one serves on)
                     with self.connections_lock:
                         self.threads -= 1
                     LOG.exception("no connection thread could start")
@@ -7119,6 +7121,7 @@ class _HTTPServer(ThreadingHTTPServer):
                     self.connections -= 1
 
     def refuse(self, request):
+        """A 503 at once, and the connection closed: max_connections are open."""
         body = _json_bytes(APIError(f"the server has {self.max_connections} connections open, "
                                     f"its limit: retry later", 503).body())
         response = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
@@ -7170,7 +7173,7 @@ def http_process(listen_fd, pipe_fd):
     httpd = _HTTPServer(socket.socket(fileno=listen_fd), Handler, max_connections)
     httpd.app = app
     app.engine.thread.start()
-    threading.Thread(target=httpd.serve_forever, args=(0.1,), name="http", daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     app.engine.thread.join()
     app.stopped = True
     httpd.shutdown()  # no connection is accepted any more
