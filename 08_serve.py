@@ -7058,6 +7058,7 @@ class _HTTPServer(ThreadingHTTPServer):
         super().__init__(sock.getsockname(), handler, bind_and_activate=False)
         self.socket.close()
         self.socket = sock
+        sock.setblocking(True)  # (the idle threads wait in accept())
         self.max_connections, self.connections = max_connections, 0
         self.requests_running = 0  # (the HTTP process waits for them when it stops)
         self.connections_lock = threading.Lock()
