@@ -1403,6 +1403,14 @@ def test_a_new_streams_first_chunk_goes_before_older_streams_chunks(q8, llm):
         link.conn.close()
 
 
+def link_and_engine(q8):
+    """An EngineLink on one end of a pipe, not started, and the engine's end of it."""
+    ours, theirs = socket.socketpair()
+    link = q8.EngineLink(multiprocessing.connection.Connection(ours.detach()),
+                         types.SimpleNamespace(metrics=q8.Metrics()))
+    return link, multiprocessing.connection.Connection(theirs.detach())
+
+
 def test_an_add_leaves_on_its_own_thread_and_its_answer_finds_the_job(q8, llm):
     """EngineLink.add sends the add to the engine from the calling thread while the link's
     thread is busy (held here in the handling of an engine message), and the engine's answer,
@@ -1410,11 +1418,8 @@ def test_an_add_leaves_on_its_own_thread_and_its_answer_finds_the_job(q8, llm):
     reaches it: the stream's head, its token and its end go out."""
     token = llm.tokenizer.encode(" hello")[0]
     state = {"running": 0}
-    ours, theirs = socket.socketpair()
     client, server_end = socket.socketpair()
-    engine = multiprocessing.connection.Connection(theirs.detach())
-    link = q8.EngineLink(multiprocessing.connection.Connection(ours.detach()),
-                         types.SimpleNamespace(metrics=q8.Metrics()))
+    link, engine = link_and_engine(q8)
     held, release, on_events = threading.Event(), threading.Event(), link._on_events
 
     def hold_once(events, state):
@@ -1453,6 +1458,26 @@ def test_an_add_leaves_on_its_own_thread_and_its_answer_finds_the_job(q8, llm):
         link.thread.join(10)
         for sock in (client, server_end, engine):
             sock.close()
+
+
+def test_an_add_the_link_fails_on_is_a_500_and_ends_in_the_engine(q8, llm, monkeypatch):
+    """A bug in the link's bookkeeping of an add (EngineLink._add raising): the HTTP thread's
+    delivery ends with a 500, and the add it already sent is aborted once the engine accepts."""
+    link, engine = link_and_engine(q8)
+    monkeypatch.setattr(link, "_add", lambda job, delivery: 1 / 0)
+    job, d = stream_delivery(q8, llm, {"max_tokens": 5}, None)
+    link.thread.start()
+    try:
+        link.add(job, d)
+        assert engine.poll(10) and engine.recv() == ("idle", False)
+        assert engine.recv()[:2] == ("add", job.id)
+        engine.send(("events", [("accepted", job.id)], {}))
+        assert d.done.wait(10) and d.error.status == 500
+        assert engine.poll(10) and engine.recv() == ("abort", [f"{job.id}-0"])
+    finally:
+        engine.send(("stop",))
+        link.thread.join(10)
+        engine.close()
 
 
 def test_speculative_decoding_across_concurrent_requests(q8, checkpoint, reference):
