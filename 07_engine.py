@@ -2062,126 +2062,6 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, lengt
     return out
 
 
-# The bench (on a GPU): the kernel's GB/s against the copy bandwidth measured in the same run,
-# and its time against torch's scaled_dot_product_attention on the same cache.
-
-_BENCH_BYTES = 256 * 2**20  # bytes per input tensor of the bandwidth benchmarks: far past the 50 MB L2
-
-
-def _ms(fn):
-    """Median milliseconds of fn() on the GPU; the first call (compiling, autotuning) is not timed."""
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _bench_copy_gbs():
-    x = torch.randn(_BENCH_BYTES, device="cuda", dtype=torch.float32)  # 1 GiB
-    y = torch.empty_like(x)
-    gbs = 2 * x.nbytes / _ms(lambda: y.copy_(x)) / 1e6
-    print(f"device-to-device copy: {gbs:,.0f} GB/s (bytes read + written); the bandwidth kernels' limit")
-    return gbs
-
-
-def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_dim=128,
-                           splits=(None, 1, 2, 4, 8)):
-    """Decode attention alone, bf16, every row `context` keys long (Qwen3-8B's heads by
-    default): GB/s of the cache read (K and V; q and the output are 1/context of it) against the
-    copy bandwidth, and speed against torch's SDPA, for the split rule's count and forced ones.
-    Returns {splits: fraction of copy bandwidth}, or None without a GPU."""
-    if device.type != "cuda":
-        print("decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not "
-              "speed); skipped")
-        return None
-    (Hq, Hkv), D = heads, head_dim
-    gen = torch.Generator(device).manual_seed(0)
-    q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
-               for shape in ((batch, Hq, D), (batch, Hkv, context, D), (batch, Hkv, context, D)))
-    lengths = torch.full((batch,), context, device=device, dtype=torch.int32)
-    copy_gbs = _bench_copy_gbs()
-    sdpa = functools.partial(F.scaled_dot_product_attention, q[:, :, None], k, v, enable_gqa=True)
-    expected = sdpa()[:, :, 0].float()  # (B, Hq, D)
-    err = ((decode_attention(q, k, v, lengths).float() - expected).norm() / expected.norm()).item()
-    sdpa_ms = _ms(sdpa)
-    print(f"decode attention, batch {batch}, context {context:,}, GQA {Hq}/{Hkv}, D={D}, bf16 "
-          f"({(k.nbytes + v.nbytes) / 2**20:,.0f} MiB of cache; against SDPA: rel err {err:.1e}; "
-          f"SDPA {sdpa_ms * 1e3:,.1f} µs; target 80% of copy)")
-    fractions = {}
-    for n in splits:
-        ms = _ms(lambda n=n: decode_attention(q, k, v, lengths, num_splits=n))
-        gbs = (k.nbytes + v.nbytes) / ms / 1e6
-        fractions[n] = gbs / copy_gbs
-        label = f"rule ({decode_splits(batch, Hkv, context, _num_sms(device))})" if n is None else n
-        print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = "
-              f"{gbs / copy_gbs:4.0%} of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
-    return fractions
-
-
-def _paged_copy(k, v, lengths, block_size, gen):
-    """Contiguous caches k, v (B, Hkv, S, D) copied into pools (num_blocks, block_size, Hkv, D)
-    of just the pages the rows' lengths need, handed out in a random order: -> k_cache,
-    v_cache, block_tables (B, cdiv(S, block_size)) int32 (entries past a row's pages 0)."""
-    B, Hkv, S, D = k.shape
-    max_blocks = triton.cdiv(S, block_size)
-    pages_of = (lengths.long() + block_size - 1) // block_size  # (B,)
-    used = torch.arange(max_blocks, device=k.device)[None] < pages_of[:, None]  # (B, max_blocks)
-    n = int(used.sum())
-    tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=k.device)
-    tables[used] = torch.randperm(n, device=k.device, generator=gen).to(torch.int32)
-    pools = []
-    for x in (k, v):
-        pages = F.pad(x, (0, 0, 0, max_blocks * block_size - S))  # (B, Hkv, max_blocks * bs, D)
-        pages = pages.view(B, Hkv, max_blocks, block_size, D).permute(0, 2, 3, 1, 4)
-        pool = x.new_empty(n, block_size, Hkv, D)
-        pool[tables[used].long()] = pages[used]  # pages[used]: (n, block_size, Hkv, D)
-        pools.append(pool)
-    return pools[0], pools[1], tables
-
-
-def bench_paged_decode(device, batch=256, heads=(16, 8), head_dim=128, block_size=16):
-    """Paged decode attention, bf16, pages of block_size keys in a random order in the pool:
-    (a) `batch` rows of mixed lengths, uniform in 100..2,048, GQA `heads`; (b) 64 rows of 4,096
-    keys, GQA 32/8 and 16/8. Each: GB/s of the cache read (each row's keys and values) against
-    the copy bandwidth, and speed against decode_attention on the same cache laid out
-    contiguously (target: 0.9x its speed or better), after checking the two agree. Returns
-    {case: {"rel_err", "paged_of_copy", "contiguous_of_copy", "speed"}}, or None without a
-    GPU."""
-    if device.type != "cuda":
-        print("paged decode bench: needs a CUDA GPU (the interpreter shows correctness, not "
-              "speed); skipped")
-        return None
-    D = head_dim
-    gen = torch.Generator(device).manual_seed(0)
-    copy_gbs = _bench_copy_gbs()
-    mixed = torch.randint(100, 2049, (batch,), device=device, generator=gen, dtype=torch.int32)
-    cases = {f"mixed 100..2,048, batch {batch}, GQA {heads[0]}/{heads[1]}": (mixed, heads)}
-    for Hq, Hkv in ((32, 8), (16, 8)):
-        full = torch.full((64,), 4096, device=device, dtype=torch.int32)
-        cases[f"4,096 keys, batch 64, GQA {Hq}/{Hkv}"] = (full, (Hq, Hkv))
-    print(f"paged decode attention, bf16, D={D}, pages of {block_size} keys in a random order "
-          f"(target: 80% of copy, 0.9x decode_attention's speed)")
-    results = {}
-    for label, (lengths, (Hq, Hkv)) in cases.items():
-        B, S = lengths.shape[0], int(lengths.max())
-        q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
-                   for shape in ((B, Hq, D), (B, Hkv, S, D), (B, Hkv, S, D)))
-        k_cache, v_cache, tables = _paged_copy(k, v, lengths, block_size, gen)
-        paged = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lengths, S)
-        contiguous = functools.partial(decode_attention, q, k, v, lengths, S)
-        expected = contiguous().float()
-        err = ((paged().float() - expected).norm() / expected.norm()).item()
-        read = int(lengths.sum()) * Hkv * D * k.element_size() * 2  # bytes of K and V read
-        paged_ms, contiguous_ms = _ms(paged), _ms(contiguous)
-        of_copy = [read / ms / 1e6 / copy_gbs for ms in (paged_ms, contiguous_ms)]
-        results[label] = dict(rel_err=err, paged_of_copy=of_copy[0], contiguous_of_copy=of_copy[1],
-                              speed=contiguous_ms / paged_ms)
-        print(f"  {label} ({read / 2**20:,.0f} MiB read; against decode_attention: rel err "
-              f"{err:.1e}): {paged_ms * 1e3:8.1f} µs = {of_copy[0]:4.0%} of copy; contiguous "
-              f"{contiguous_ms * 1e3:8.1f} µs = {of_copy[1]:4.0%}; "
-              f"{contiguous_ms / paged_ms:4.2f}x its speed")
-    return results
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -2858,6 +2738,687 @@ class DecodeGraphs:
 
 
 # ----------------------------------------------------------------------------------------------
+# Chapter 16. The engine
+# ----------------------------------------------------------------------------------------------
+# Requests flow one way through small parts (see ENGINE.md): a prompt becomes a Sequence, the
+# Scheduler picks the sequences of the next step and how many tokens each runs, the BlockManager
+# hands out the blocks of the KV cache they need, the ModelRunner packs them into one forward
+# pass and samples, each Sequence takes its new tokens, and the requests that advanced come back
+# as RequestOutputs. The model never sees a Sequence and the scheduler never sees a tensor.
+# LLMEngine.step is the loop's body; LLM.generate runs it until every request is done, and stage
+# 08's server calls it from its own loop.
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: its token ids (the prompt, then the output), its sampling rules and where it
+    stands. Its status goes WAITING -> RUNNING -> FINISHED, back to WAITING when it is
+    preempted, changed by the scheduler only. The keys and values of its first
+    num_computed_tokens tokens are in the cache (or being written by a launched step), in the
+    blocks of block_table; under async scheduling num_pending more tokens were sampled on the
+    device and are not read back yet."""
+
+    def __init__(self, request_id, prompt_token_ids, params, max_tokens, vocab_size, grammar=None,
+                 generator=None):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
+        self.grammar = grammar  # structured output's TokenMasker, or None
+        self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
+        self.generator = generator  # a seeded request's own random stream
+        self.sampling_row = sampling_row(params, vocab_size)  # its numbers, for SamplingBatch
+        # its next step needs its last token on the host (LLMEngine._needs_tokens)
+        self.needs_tokens = grammar is not None or params.has_penalties
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = None
+        self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
+        self.logprobs = [] if params.logprobs is not None else None  # one {id: logprob} a token
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_pending = 0
+        # speculative decoding: the tokens proposed for the next step (and a draft model's
+        # probabilities for them, (k, V)), the positions the draft model has in its cache, and
+        # the mean number of drafts accepted a step (a moving average, from all k accepted)
+        self.draft_tokens, self.draft_probs = [], None
+        self.num_draft_computed = 0
+        self.mean_accepted = math.inf
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self):
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self):
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self):
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, token, logprobs=None):
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.grammar is not None:
+            self.grammar_state = self.grammar.advance(self.grammar_state, token)
+            assert self.grammar_state != DEAD, f"token {token} was sampled against its mask"
+
+
+@dataclass
+class RequestOutput:
+    """A request's result: what generate returns for a prompt, and what LLMEngine.step returns
+    for each request that advanced (then token_ids so far, and finish_reason None until the
+    request ends)."""
+    prompt_token_ids: list
+    token_ids: list  # the generated ids, the eos or stop id that ended the request included
+    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
+    #                   (skip_special_tokens), without special tokens; None without a tokenizer,
+    #                   and until the request ends
+    finish_reason: str | None  # "stop": an eos or stop id, or structured output complete;
+    #                            "length": max_tokens or the context limit; "abort"
+    logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
+    #                               id and the top ones
+    request_id: object = None
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 25. The paged KV cache: blocks and block tables; chapter 31: prefix caching
+# ----------------------------------------------------------------------------------------------
+# The model runner's cache is a pool of num_blocks blocks of block_size token slots, and each
+# sequence owns a block table: the ids of its blocks, in token order. Paging means no sequence
+# reserves slots for its longest possible length up front; it takes a block when it needs one,
+# so the only waste is the unfilled tail of each sequence's last block.
+#
+# Sequences whose prompts start alike (a system prompt, a chat's earlier turns) share the blocks
+# of that prefix instead of computing them again, so a block carries a reference count: the
+# number of tables that hold it. A full block is named by a chained hash, of its tokens and of
+# its parent block's hash, because its keys and values depend on every token before it, not on
+# its own tokens alone. A cached block whose count falls to 0 keeps its contents and its name
+# and may still be found by a later prompt; it is reused for other tokens only when no block is
+# left on the free list, least recently freed first (LRU).
+#
+# Legend: a block table is a list[int] of block ids; tokens [i * block_size, (i + 1) * block_size)
+# of a sequence live in block table[i].
+
+def block_hash(parent, token_ids):
+    """The 16-byte chained hash of a full block: its parent block's hash (None for a sequence's
+    first block) and its token ids. blake2b makes a hit mean the same tokens after the same
+    prefix, not merely the same bucket."""
+    data = (parent or bytes(16)) + np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class BlockManager:
+    """The bookkeeping of the paged KV cache, no tensors: which blocks are free, which sequences
+    hold which, and which full blocks can be found again by their contents. A block is in exactly
+    one of three places: the free list, the evictable LRU (reference count 0, still cached), or
+    in use (held by at least one block table)."""
+
+    def __init__(self, num_blocks, block_size=16, enable_prefix_caching=True):
+        if not _is_int(num_blocks) or num_blocks < 1:
+            raise ValueError(f"BlockManager: num_blocks = {num_blocks!r} must be a positive int")
+        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"BlockManager: block_size = {block_size!r} must be a positive int "
+                             "and a power of two (the attention kernels tile by it)")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"BlockManager: enable_prefix_caching = {enable_prefix_caching!r} "
+                             "must be True or False")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks = deque(range(num_blocks))  # count 0, nothing cached in them
+        self.ref_counts = [0] * num_blocks
+        self.hashes = [None] * num_blocks  # a full block's chained hash, registered or not
+        self.cached = {}  # hash -> the one block registered under it
+        self.evictable = OrderedDict()  # cached blocks of count 0, least recently freed first
+        self.reset_stats()
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def prefix_hit_rate(self):
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def reset_stats(self):
+        self.hit_tokens = self.query_tokens = 0
+
+    def blocks_needed(self, table, num_tokens):
+        return max(0, -(-num_tokens // self.block_size) - len(table))
+
+    def allocate_prefix(self, table, token_ids):
+        """At admission: append the cached blocks that begin token_ids to the empty table and
+        return how many tokens they hold. The last token is never covered, so its logits are
+        computed and the sequence's first write lands in a block of its own."""
+        assert not table, "allocate_prefix starts a block table, it does not extend one"
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        self.query_tokens += len(token_ids)
+        self.hit_tokens += len(table) * bs
+        return len(table) * bs
+
+    def grow(self, table, num_tokens):
+        """Append fresh blocks until the table holds num_tokens slots: all of them, or, when too
+        few blocks are free, none (False)."""
+        needed = self.blocks_needed(table, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            if self.free_blocks:
+                block = self.free_blocks.popleft()
+            else:  # evict: new tokens will overwrite its contents, so its name must go too
+                block, _ = self.evictable.popitem(last=False)
+                del self.cached[self.hashes[block]]
+                self.hashes[block] = None
+            assert self.ref_counts[block] == 0 and self.hashes[block] is None, (
+                f"block {block} handed out while held or named")
+            self.ref_counts[block] = 1
+            table.append(block)
+        return True
+
+    def reset_prefix_cache(self):
+        """Forget every cached block no sequence holds (vLLM's reset_prefix_cache): each goes
+        back to the free list, nameless. For benchmarks, whose runs must not find the last
+        run's prompts."""
+        for block in self.evictable:
+            self.hashes[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+        self.cached = {h: b for h, b in self.cached.items() if self.ref_counts[b] > 0}
+
+    def cache_full_blocks(self, table, token_ids, start, end):
+        """Tokens [start, end) now have their keys and values in the cache: name each block that
+        became full, so that later prompts can find it. Only those blocks are touched, since
+        this runs for every sequence every step."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        assert 0 <= start <= end <= len(token_ids) and end <= len(table) * bs, (start, end)
+        for i in range(start // bs, end // bs):
+            parent = self.hashes[table[i - 1]] if i else None
+            assert i == 0 or parent is not None, f"block {i} is cached before its parent"
+            h = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = table[i]
+            assert self.hashes[block] in (None, h), f"block {block}'s tokens changed"
+            # Two sequences may have computed the same block; the first stays the one found,
+            # the second keeps its hash so that its own children chain from it.
+            self.hashes[block] = h
+            self.cached.setdefault(h, block)
+
+    def free(self, table):
+        """A finished or preempted sequence lets go of its blocks. Its last block goes first, so
+        that under eviction a shared prefix loses its tail before its head."""
+        for block in reversed(table):
+            assert self.ref_counts[block] > 0, f"block {block} freed more often than taken"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block]:
+                continue
+            if self.cached.get(self.hashes[block]) == block:
+                self.evictable[block] = None
+            else:
+                self.hashes[block] = None
+                self.free_blocks.append(block)
+        table.clear()
+
+    def check(self, tables):
+        """Assert the invariants, given the block table of every live sequence."""
+        held = Counter()
+        for table in tables:
+            assert len(set(table)) == len(table), f"a block table holds a block twice: {table}"
+            held.update(table)
+        free, evictable = set(self.free_blocks), set(self.evictable)
+        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
+        assert not free & evictable, f"blocks both free and evictable: {free & evictable}"
+        assert not (free | evictable) & held.keys(), (
+            f"blocks free or evictable but held by a table: {(free | evictable) & held.keys()}")
+        assert len(free) + len(evictable) + len(held) == self.num_blocks, (
+            f"free {len(free)} + evictable {len(evictable)} + used {len(held)} != "
+            f"{self.num_blocks} blocks")
+        unknown = (free | evictable | held.keys()) - set(range(self.num_blocks))
+        assert not unknown, f"block ids outside the pool: {unknown}"
+        for block, count in enumerate(self.ref_counts):
+            assert count == held[block], (
+                f"block {block}: reference count {count}, but {held[block]} tables hold it")
+        for h, block in self.cached.items():
+            assert self.hashes[block] == h, f"the hash map names block {block} for another hash"
+        for block in evictable:
+            assert self.cached.get(self.hashes[block]) == block, f"evictable {block} not cached"
+        for block in free:
+            assert self.hashes[block] is None, f"free block {block} still has a hash"
+        assert self.enable_prefix_caching or not self.cached, "cached blocks without caching"
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 24. Continuous batching: the scheduler
+# ----------------------------------------------------------------------------------------------
+# A static batch runs until its longest request ends: a request that finishes early leaves its
+# row idle, and a new one waits for the whole batch. Continuous batching (Orca, Yu et al. 2022)
+# decides every step which sequences run: one that finishes leaves at once, and a waiting one
+# joins the next step. A step then mixes kinds of work: decodes of running sequences (one token
+# each) and prefills of new ones (many tokens), packed side by side into one forward pass
+# (forward_packed). Two budgets bound a step: max_num_seqs sequences and max_num_batched_tokens
+# tokens. A long prompt does not stall the decodes for a whole step of its own: it is
+# prefilled in chunks of what the budget leaves after them (chunked prefill, Agrawal et al.
+# 2023), one chunk a step. The blocks of the paged cache are the third limit: when none is left
+# for a running sequence's next token, the latest admitted sequence is preempted (vLLM's
+# recompute policy): its blocks are freed and it waits at the head of the queue, to be
+# prefilled again with everything it has generated so far.
+
+class Scheduler:
+    """Which sequences run in the next step, and how many of their tokens. Running sequences
+    first, oldest first (a decode takes one token of the budget, a prompt being prefilled its
+    next chunk); then waiting ones, first come first served, while the step has budget and a
+    sequence slot left, the last one admitted possibly with a chunk of its prompt only. The
+    step's tokens never exceed the budget; a preempted sequence resumes with the output it had."""
+
+    def __init__(self, block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids):
+        self.block_manager, self.block_size = block_manager, block_manager.block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting = deque()
+        self.running = []  # in the order of admission: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq):
+        self.waiting.append(seq)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def schedule(self):
+        """[(sequence, its new tokens this step)], and each sequence's num_computed_tokens moved
+        past them. A decode's draft tokens (speculative decoding) count as new tokens, the last
+        ones, cut to what the budget leaves."""
+        budget, batch, preempted = self.max_num_batched_tokens, [], False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
+                continue  # preempted in this loop, or its last token is on its way
+            needed = seq.num_tokens - seq.num_computed_tokens
+            n = needed + len(seq.draft_tokens)
+            if n > budget:
+                n = budget
+                seq.draft_tokens = seq.draft_tokens[:max(0, n - needed)]
+            while (seq.num_computed_tokens + n > len(seq.block_table) * self.block_size
+                   and not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)):
+                preempted = True
+                self.preempt(self.running[-1])
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.append((seq, n))
+                budget -= n
+        while (self.waiting and budget and len(self.running) < self.max_num_seqs
+               and not preempted and not self.waiting[0].num_pending):
+            seq = self.waiting[0]
+            cached = self.block_manager.allocate_prefix(seq.block_table, seq.token_ids)
+            n = min(seq.num_tokens - cached, budget)
+            if not self.block_manager.grow(seq.block_table, cached + n):
+                self.block_manager.free(seq.block_table)
+                break
+            self.waiting.popleft()
+            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, cached
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        return batch
+
+    def preempt(self, seq):
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        seq.draft_tokens, seq.draft_probs, seq.num_draft_computed = [], None, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq, reason):
+        """End a sequence wherever it is (a queue or the running batch) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def postprocess(self, seqs, tokens, logprobs):
+        """Give each sequence its new tokens (a list each), register the blocks they filled for
+        prefix caching, and finish the sequences they end. Returns the sequences that advanced."""
+        advanced = []
+        for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
+            seq.num_pending -= 1
+            if seq.draft_tokens:  # the rejected drafts' positions are computed again later
+                k, accepted = len(seq.draft_tokens), len(new) - 1
+                seq.num_computed_tokens -= k - accepted
+                seq.draft_tokens, seq.draft_probs = [], None
+            # the draft model's cache past here holds drafts this step did not accept, or that
+            # the budget cut before they were verified (all of them, even)
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            if seq.is_finished:  # ended (by eos, or aborted) while this step ran
+                continue
+            for token, token_logprobs in zip(new, new_logprobs):
+                seq.append(token, token_logprobs)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    if reason == "stop" and not self._grammar_finished(seq):
+                        seq.stop_token_id = token
+                    self._cache_last_blocks(seq)
+                    self.finish(seq, reason)
+                    break
+            advanced.append(seq)
+        return advanced
+
+    def _cache_last_blocks(self, seq):
+        """Register the blocks filled by the step that ends seq, before finish frees them:
+        register_computed comes after postprocess and skips finished sequences, so a prompt
+        whose request ends at its first token would never be found by the next one."""
+        blocks, table = self.block_manager, seq.block_table
+        first = next((i for i, block in enumerate(table) if blocks.hashes[block] is None), len(table))
+        end = seq.num_computed_tokens  # (rejected drafts were taken off above)
+        blocks.cache_full_blocks(table, seq.token_ids, min(first * self.block_size, end), end)
+
+    def register_computed(self, spans):
+        """Blocks that a step filled become reusable by later prompts (prefix caching). spans:
+        [(sequence, start, end)], the positions the step computed; their tokens are all known by
+        now. A sequence preempted since then has lost those blocks."""
+        bs = self.block_size
+        for seq, start, end in spans:
+            end = min(end, seq.num_computed_tokens)  # (rejected drafts are not computed)
+            if seq.status is SequenceStatus.RUNNING and end // bs > start // bs:  # a block filled
+                self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, start, end)
+
+    def _finish_reason(self, seq, token):
+        # Under a grammar the mask allows eos only where the text is complete, and there eos ends
+        # the request even with ignore_eos: the text can only be finished, not continued.
+        eos_ends = not seq.params.ignore_eos or seq.grammar is not None
+        if token in seq.params.stop_token_ids or (eos_ends and token in self.eos_token_ids):
+            return "stop"
+        if self._grammar_finished(seq):  # the automaton accepts, and nothing may follow
+            return "stop"
+        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _grammar_finished(seq):
+        return seq.grammar is not None and seq.grammar.is_finished(seq.grammar_state)
+
+
+class StepHandle:
+    """A launched step: the positions it computed, and the tokens it sampled on their way to the
+    host."""
+
+    def __init__(self, spans, seqs, tokens, read):
+        self.spans = spans  # [(sequence, start, end)]: the positions computed, as scheduled
+        self.seqs = seqs  # the sequences that sampled
+        self.rows = {seq: row for row, seq in enumerate(seqs)}  # a sequence's row in tokens
+        self.tokens = tokens  # (S,) on the device: one token a sequence (no speculation)
+        self.read = read  # () -> (new tokens, logprobs): a list per sequence, waiting for them
+
+
+class ModelRunner:
+    """Turns a step's packed sequences into tensors, runs the model and samples. It owns the
+    paged KV cache, allocated once; decode steps replay CUDA graphs on a GPU (unless
+    enforce_eager), other steps run forward_packed eagerly. launch() only queues the work and
+    starts copying the sampled tokens back: the StepHandle's read() waits for them."""
+
+    def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False):
+        self.model = fuse_projections(model)
+        cfg = model.cfg
+        self.device, self.dtype = _device_of(model), model.model.embed_tokens.weight.dtype
+        self.vocab_size, self.block_size = cfg.vocab_size, block_size
+        self.max_len = triton.cdiv(max_model_len, block_size) * block_size  # the blocks' reach
+        self.attention = triton_attention if model.kernels else torch_attention
+        # one block more than the manager hands out: the scratch block, where a graph's padding
+        # rows write their keys and values
+        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
+                 cfg.head_dim)
+        self.kv = (torch.zeros(shape, device=self.device, dtype=self.dtype),
+                   torch.zeros(shape, device=self.device, dtype=self.dtype))
+        self.scratch_slot = num_blocks * block_size
+        graphed = self.device.type == "cuda" and model.kernels and not enforce_eager
+        self.graphs = (DecodeGraphs(self.model, self.kv, self.max_len, self.attention)
+                       if graphed else None)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def launch(self, batch, previous=None):
+        """Queue one step: batch = [(sequence, its new tokens)] as scheduled (num_computed_tokens
+        already past them, a sequence's draft tokens last). A new token not yet on the host is
+        the one `previous` (a StepHandle) sampled: it is read on the device. Returns a
+        StepHandle."""
+        entries, seqs, spans = [], [], []
+        for seq, n in batch:
+            end, k = seq.num_computed_tokens, len(seq.draft_tokens)
+            start = end - n
+            ids, from_previous = seq.token_ids[start:end - k], None
+            if len(ids) < n - k:  # the last one is on its way from the previous step
+                ids, from_previous = ids + [0], previous.rows[seq]
+            samples = 0
+            if end - k == seq.num_tokens:  # all its tokens are in: it samples (k + 1 rows)
+                samples = k + 1
+                seqs.append(seq)
+            if k and len(ids) == 1:
+                # a decode and its drafts: k + 1 entries of one token each, at successive
+                # positions over the same blocks, as k + 1 decodes; each layer writes all their
+                # keys before any attends, so token i still sees tokens < i. The step is then
+                # decode-shaped, and its CUDA graph replays it
+                entries += [([t], None, start + i, seq.block_table, 1)
+                            for i, t in enumerate(ids + seq.draft_tokens)]
+            else:
+                entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table,
+                                samples))
+            spans.append((seq, start, end))
+        logits = self.forward(entries, previous.tokens if previous is not None else None)
+        plain = [seq for seq in seqs if not seq.draft_tokens]
+        tokens = logprobs = None
+        if plain:
+            if len(plain) < len(seqs):  # a speculative step: the plain rows' logits, one each
+                ends = np.cumsum([len(seq.draft_tokens) + 1 for seq in seqs]) - 1
+                logits_plain = logits[self._to_device(
+                    [end for end, seq in zip(ends, seqs) if not seq.draft_tokens], torch.int64)]
+            else:
+                logits_plain = logits
+            masks = [None if s.grammar is None else s.grammar.mask(s.grammar_state) for s in plain]
+            tokens, logprobs = self.sampler(logits_plain, self.sampling_batch(plain), masks)
+        read_plain = self._read_back(tokens, logprobs)
+        read_spec = self._verify(seqs, logits) if len(plain) < len(seqs) else None
+
+        def lists():
+            """A list of new tokens and one of logprobs per sequence, in seqs' order."""
+            tokens_list, logprobs_tensors = read_plain()
+            new = [[t] for t in tokens_list]
+            logprobs_list = [[x] for x in self.logprobs_lists(plain, tokens_list, logprobs_tensors)]
+            if read_spec is None:
+                return new, logprobs_list
+            per_seq = dict(zip(plain, zip(new, logprobs_list)))
+            per_seq.update(read_spec())
+            new = [per_seq[seq] for seq in seqs]
+            return [t for t, _ in new], [lp for _, lp in new]
+        return StepHandle(spans, seqs, tokens, lists)
+
+    def sampling_batch(self, seqs, repeat=1):
+        """The SamplingBatch of the sequences, each in `repeat` rows (one per verified position).
+        The prompts and outputs (copies) only where a penalty needs them."""
+        seqs = [seq for seq in seqs for _ in range(repeat)]
+        params = [s.params for s in seqs]
+        penalties = any(s.needs_tokens and s.params.has_penalties for s in seqs)
+        return SamplingBatch(params, [s.prompt_token_ids for s in seqs] if penalties else None,
+                             self.vocab_size, self.device,
+                             outputs=[s.output_token_ids for s in seqs] if penalties else None,
+                             generators=[s.generator for s in seqs] if repeat == 1 else None,
+                             rows=[s.sampling_row for s in seqs])
+
+    @torch.inference_mode()
+    def forward(self, entries, previous_tokens=None):
+        """One packed forward pass. entries: [(ids, from_previous, start, block_table, samples)]:
+        a sequence's new token ids (a list) at positions start.., the last one taken on the
+        device from previous_tokens[from_previous] when that is not None; `samples`: how many
+        of its last rows need logits. Returns those logits (rows, V), in order."""
+        bs = self.block_size
+        ids, pending, positions, slots, lengths, tables, sample_rows = [], [], [], [], [], [], []
+        cu = [0]
+        for tokens, from_previous, start, table, samples in entries:
+            end = start + len(tokens)
+            if from_previous is not None:
+                pending.append((len(ids) + len(tokens) - 1, from_previous))
+            ids += tokens
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            lengths.append(end)
+            tables.append(table)
+            cu.append(len(ids))
+            sample_rows += range(len(ids) - samples, len(ids))
+        graphed = len(ids) == len(entries) and self.graphs is not None  # a decode step
+        if graphed:  # padded to its graph's bucket: rows that read nothing, write the scratch slot
+            pad = graph_bucket(len(ids)) - len(ids)
+            ids, positions, lengths = ids + [0] * pad, positions + [0] * pad, lengths + [0] * pad
+            slots += [self.scratch_slot] * pad
+            cu += range(cu[-1] + 1, cu[-1] + pad + 1)
+        table_array = np.zeros((len(lengths), max(map(len, tables))), dtype=np.int32)
+        for row, table in enumerate(tables):
+            table_array[row, :len(table)] = table
+        # two copies to the device, of the int64 inputs and of the int32 ones, not one an input:
+        # a copy costs the host ~30 us (pinning, launching it), and the host builds a step while
+        # the GPU runs the last one (64 decodes, H200: 91 us for the two, 245 for nine)
+        dst, src = zip(*pending) if pending else ((), ())
+        ids_d, positions_d, slots_d, rows_d, dst, src = self._ints_to_device(
+            torch.int64, ids, positions, slots, sample_rows, dst, src)
+        cu_d, lengths_d, tables_d = self._ints_to_device(torch.int32, cu, lengths,
+                                                         table_array.ravel())
+        if pending:
+            ids_d[dst] = previous_tokens[src]
+        meta = AttentionMetadata(
+            slots=slots_d, cu_seqlens_q=cu_d, lengths=lengths_d,
+            block_tables=tables_d.view(table_array.shape),
+            max_q_len=max(len(e[0]) for e in entries), max_len=table_array.shape[1] * bs,
+            sample_rows=rows_d)
+        if not graphed:
+            return forward_packed(self.model, ids_d, positions_d, self.kv, meta, self.attention)
+        meta.sample_rows = torch.arange(len(ids), device=self.device)
+        logits = self.graphs(ids_d, positions_d, meta)  # (bucket, V)
+        return logits if len(sample_rows) == len(ids) else logits[rows_d]
+
+    def _verify(self, seqs, logits):
+        """Speculative decoding's check of the sequences of a step that carry draft tokens:
+        logits holds k + 1 rows for each of seqs (1 for one without drafts, skipped here). The
+        target's distribution at each position, then rejection_sample. Returns a function that
+        waits for the result: {sequence: (new tokens, logprobs)}."""
+        index, start, drafted = [], 0, []
+        K = max(len(seq.draft_tokens) for seq in seqs)
+        for seq in seqs:
+            k = len(seq.draft_tokens)
+            if k:  # (K + 1) rows of logits, the last one repeated past k
+                index.append([start + min(i, k) for i in range(K + 1)])
+                drafted.append(seq)
+            start += k + 1
+        index = self._to_device(index, torch.int64)
+        probs = Sampler.probs(logits[index.flatten()].float(), self.sampling_batch(
+            drafted, repeat=K + 1)).view(len(drafted), K + 1, -1)  # (B, K + 1, V)
+        drafts = self._to_device(  # (B, K)
+            [s.draft_tokens + [0] * (K - len(s.draft_tokens)) for s in drafted], torch.int64)
+        num_draft = self._to_device([len(s.draft_tokens) for s in drafted], torch.int64)
+        draft_probs = None
+        if drafted[0].draft_probs is not None:  # a draft model's, (k, V) a sequence: zero-padded
+            draft_probs = torch.zeros(len(drafted), K, probs.shape[-1], device=self.device)
+            for row, seq in enumerate(drafted):
+                k = len(seq.draft_tokens)  # (the budget may have cut the draft short)
+                draft_probs[row, :k] = seq.draft_probs[:k]
+        greedy = self._to_device([s.params.temperature < GREEDY_BELOW for s in drafted], torch.bool)
+        generators = {row: s.generator for row, s in enumerate(drafted) if s.generator is not None}
+        tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy,
+                                            generators)
+        read = self._read_back(tokens, (accepted,))
+
+        def wait():
+            tokens_list, (accepted_t,) = read()
+            return {seq: (row[:a + 1], [None] * (a + 1))
+                    for seq, row, a in zip(drafted, tokens_list, accepted_t.tolist())}
+        return wait
+
+    def _to_device(self, data, dtype):
+        """A host list or array on the device: from pinned memory, without waiting for the GPU."""
+        t = torch.as_tensor(np.asarray(data), dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _ints_to_device(self, dtype, *arrays):
+        """Host lists or arrays of ints, one dimension each, on the device in one copy: views of
+        one tensor."""
+        sizes = [len(a) for a in arrays]
+        packed, at = np.empty(sum(sizes), dtype=np.int64), 0
+        for a, size in zip(arrays, sizes):
+            packed[at:at + size] = a
+            at += size
+        return self._to_device(packed, dtype).split(sizes)
+
+    def _read_back(self, tokens, logprobs):
+        """Start copying the sampled tokens (and logprobs) to the host; the function returned waits
+        for these copies only, not for what is queued on the GPU after them, and returns
+        (tokens as a list, logprobs)."""
+        if tokens is None:
+            return lambda: ([], None)
+        tensors = [tokens, *(logprobs or ())]
+        copied = None
+        if self.device.type == "cuda":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
+            copied = torch.cuda.Event()
+            copied.record()
+
+        def wait():
+            if copied is not None:
+                copied.synchronize()
+            return tensors[0].tolist(), (tuple(tensors[1:]) if logprobs is not None else None)
+        return wait
+
+    @staticmethod
+    def logprobs_lists(seqs, tokens, logprobs):
+        """Per row, {id: logprob} of the sampled id and the row's top ones, or None."""
+        if logprobs is None:
+            return [None] * len(seqs)
+        sampled, top_values, top_ids = (x.tolist() for x in logprobs)
+        out = []
+        for row, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            out.append({tokens[row]: sampled[row], **dict(zip(top_ids[row][:k], top_values[row][:k]))})
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Chapter 34. Sampling
 # ----------------------------------------------------------------------------------------------
 # The logits of a step become tokens in vLLM's order: penalties on the raw logits, then
@@ -3099,6 +3660,473 @@ class Sampler:
         if batch.filters:
             logits = filter_logits(logits, batch.top_k, batch.top_p, batch.min_p)
         return logits.softmax(dim=-1)
+
+
+class LLMEngine:
+    """Requests in, one step at a time, outputs out: add_request, step, abort. Stage 08's server
+    drives these from its engine thread.
+
+    With async_scheduling, a step is launched before the previous step's tokens reach the host:
+    step() schedules and launches step n + 1, then reads step n's tokens, so that the host's
+    work (scheduling, the inputs, the outputs) runs while the GPU computes. A sequence's next
+    input is then read on the device from step n's tokens, and a sequence that step n ends by an
+    eos runs one step more, whose token nobody reads. Steps that need every token on the host
+    first (structured output's masks, penalties, speculative decoding) run one at a time."""
+
+    def __init__(self, runner, block_manager, *, eos_token_ids, max_model_len, max_num_seqs,
+                 max_num_batched_tokens, tokenizer=None, async_scheduling=True, speculative=None,
+                 debug=False):
+        self.runner, self.block_manager = runner, block_manager
+        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens,
+                                   eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len, self.tokenizer = max_model_len, tokenizer
+        self.async_scheduling, self.debug = async_scheduling, debug
+        # speculative decoding: (proposer, tokens to propose, mean accepted below which a
+        # sequence stops proposing), or None
+        self.proposer, self.num_speculative, self.min_accepted = speculative or (None, 0, 0.0)
+        self.grammars = None  # the GrammarCache, built at the first structured request
+        self.requests = {}  # request_id -> Sequence, until it ends
+        self.num_needing_tokens = 0  # of them, under structured output or penalties
+        self.in_flight = None  # the StepHandle launched and not read yet
+        self.last_batch = []  # [(sequence, its new tokens)] of the last step scheduled
+        self.counts = Counter()  # steps, those overlapped; sequences verified, drafts, accepted
+        self.num_advances = 0  # the clock of speculation's probes
+
+    def add_request(self, request_id, prompt, params=None):
+        """Queue a request: prompt a string (with a tokenizer) or a list of token ids; params a
+        SamplingParams (None: the defaults). Checked here: a bad request raises ValueError and
+        leaves the engine as it was."""
+        self.add_sequence(self.new_sequence(request_id, prompt, params))
+
+    def new_sequence(self, request_id, prompt, params=None):
+        """The request as a Sequence, every check done, not queued yet."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        ids = self._prompt_ids(request_id, prompt)
+        max_tokens = self._check_request(request_id, ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        return Sequence(request_id, ids, params, max_tokens, self.runner.vocab_size,
+                        self._grammar(request_id, params), generator)
+
+    def add_sequence(self, seq):
+        self.requests[seq.request_id] = seq
+        self.num_needing_tokens += seq.needs_tokens
+        self.scheduler.add(seq)
+
+    def reset(self):
+        """Abort every request, and wait for the step in flight."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        if self.in_flight is not None:
+            self.in_flight.read()
+            self.in_flight = None
+
+    def _prompt_ids(self, request_id, prompt):
+        """The prompt as a list of token ids, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {request_id!r} is text, but this LLM has no tokenizer: "
+                                 f"pass token ids, or LLM(..., tokenizer=...)")
+            prompt = self.tokenizer.encode(prompt)
+        elif not isinstance(prompt, (list, tuple)) or not all(
+                type(t) is int or _is_int(t) for t in prompt):  # (the common case first)
+            raise ValueError(f"prompt {request_id!r} must be a string or a list of token ids")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {request_id!r} is empty: generation needs a token to "
+                             f"continue")
+        vocab = self.runner.vocab_size
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"prompt {request_id!r} holds token id {outside[0]}, outside the "
+                             f"model's vocabulary [0, {vocab})")
+        return ids
+
+    def _check_request(self, i, ids, params):
+        """How many tokens prompt i may generate, checked against max_model_len and the KV pool;
+        its params checked against the vocabulary."""
+        n, limit = len(ids), self.max_model_len
+        if n > limit:
+            raise ValueError(f"prompt {i!r} is {n} tokens, longer than max_model_len {limit}")
+        if n == limit:
+            raise ValueError(f"prompt {i!r} is {n} tokens, all of max_model_len {limit}: no room "
+                             f"to generate")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"prompt {i!r}: {n} prompt tokens + max_tokens {params.max_tokens} = "
+                             f"{n + params.max_tokens}, beyond max_model_len {limit}")
+        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
+        blocks = self.block_manager
+        if triton.cdiv(n + max_tokens, blocks.block_size) > blocks.num_blocks:
+            raise ValueError(f"prompt {i!r}: {n} prompt tokens + {max_tokens} to generate need "
+                             f"more than the KV pool's {blocks.num_blocks} blocks of "
+                             f"{blocks.block_size} tokens: lower max_tokens or max_model_len")
+        vocab = self.runner.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"SamplingParams.stop_token_ids of prompt {i!r} holds {outside[0]}, "
+                             f"outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs of prompt {i!r} asks for {params.logprobs} "
+                             f"top logprobs, more than the vocabulary's {vocab} tokens")
+        return max_tokens
+
+    def _grammar(self, i, params):
+        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
+        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
+        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {i!r} asks for structured output, which needs a tokenizer "
+                             f"(each token's bytes): LLM(..., tokenizer=...)")
+        if self.grammars is None:
+            vocab = grammar_vocab(self.tokenizer, self.runner.vocab_size)
+            self.grammars = GrammarCache(vocab, self.eos_token_ids, self.runner.device)
+        masker = self.grammars.get(regex=params.regex, choice=params.choice,
+                                   json_schema=params.json_schema)
+        if masker.is_finished(masker.start):
+            raise ValueError(f"the structured output of prompt {i!r} allows only the empty text: "
+                             f"there is nothing to generate")
+        return masker
+
+    def abort(self, request_id):
+        """End a request wherever it is (waiting, being prefilled or decoding); its blocks are
+        freed at once. An unknown or finished id is ignored (it may have just finished)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.num_needing_tokens -= seq.needs_tokens
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self):
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    @property
+    def num_unfinished(self):
+        return len(self.requests)
+
+    def step(self):
+        """One turn of the loop: schedule, launch, and read back (under async scheduling, the
+        previous step's tokens): returns a RequestOutput for every request that advanced."""
+        return [self.output(seq) for seq in self.advance()]
+
+    def advance(self):
+        """step() without building its outputs (each a copy of a request's tokens so far):
+        returns the sequences that advanced."""
+        self.num_advances += 1
+        overlap = self.async_scheduling and not self._needs_tokens()
+        self.counts["overlapped"] += overlap
+        advanced = [] if overlap else self._read(self.in_flight)  # (no step in flight then)
+        batch = self.last_batch = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
+        if batch:
+            self.in_flight = self.runner.launch(batch, previous)
+            for seq in self.in_flight.seqs:
+                seq.num_pending += 1
+        advanced += self._read(previous) if overlap else self._read(self.in_flight)
+        if not overlap:
+            self.in_flight = None
+            if self.proposer is not None:
+                self._propose()
+        if self.debug:
+            self.check()
+        return advanced
+
+    def _read(self, handle):
+        """Wait for a launched step's tokens and hand them to its sequences."""
+        if handle is None:
+            return []
+        tokens, logprobs = handle.read()  # a list of new tokens (and of logprobs) a sequence
+        self.counts["steps"] += 1
+        for seq, new in zip(handle.seqs, tokens):
+            if seq.draft_tokens:
+                self.counts["verified"] += 1
+                self.counts["drafted"] += len(seq.draft_tokens)
+                self.counts["accepted"] += len(new) - 1
+                seq.mean_accepted = (0.7 * min(seq.mean_accepted, self.num_speculative)
+                                     + 0.3 * (len(new) - 1))
+        advanced = self.scheduler.postprocess(handle.seqs, tokens, logprobs)
+        self.scheduler.register_computed(handle.spans)
+        for seq in advanced:
+            if seq.is_finished and self.requests.pop(seq.request_id, None) is not None:
+                self.num_needing_tokens -= seq.needs_tokens
+        return advanced
+
+    def _needs_tokens(self):
+        """Whether this step needs the last step's tokens on the host before it starts: for
+        structured output or penalties, to verify drafts, or to propose after it."""
+        return self.num_needing_tokens > 0 or self.proposer is not None and bool(
+            any(seq.draft_tokens for seq in self.scheduler.running) or self._speculating())
+
+    def _speculating(self):
+        """The sequences that propose drafts after this step. Not those under structured output,
+        penalties or logprobs (the verification samples without them), nor those whose mean
+        accepted drafts a step is below min_accepted, where verifying costs more than it saves;
+        all of them probe together every SPEC_PROBE_STEPS steps, to measure anew. And none
+        unless their gains together pay for the wait that speculation puts on the whole batch:
+        a step that proposes cannot overlap the next one (SPEC_SYNC_COST). min_accepted = 0:
+        every sequence that can speculates, always."""
+        running = self.scheduler.running
+        probe = self.num_advances % SPEC_PROBE_STEPS == 0
+        seqs = [seq for seq in running if seq.grammar is None and not seq.params.has_penalties
+                and seq.params.logprobs is None
+                and (probe or seq.mean_accepted >= self.min_accepted)]
+        gain = sum(min(seq.mean_accepted, self.num_speculative) - self.min_accepted for seq in seqs)
+        always = probe or self.min_accepted == 0
+        return seqs if always or gain >= SPEC_SYNC_COST * len(running) else []
+
+    def _propose(self):
+        """Draft tokens for the next step of every decoding sequence that speculates."""
+        seqs, ks = [], []
+        for seq in self._speculating():
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
+                continue  # (still holding drafts: it sat this step out, and they wait for the next)
+            k = min(self.num_speculative, seq.max_tokens - seq.num_output_tokens - 1)
+            if k >= 1 and self.block_manager.grow(seq.block_table, seq.num_tokens + k):
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            self.proposer.propose(seqs, ks)
+        for seq in seqs:
+            if not seq.draft_tokens:  # nothing to propose: speculation gained nothing this step
+                seq.mean_accepted = 0.7 * min(seq.mean_accepted, self.num_speculative)
+
+    @property
+    def stats(self):
+        """The engine's counters since it was built: steps, preemptions, the prefix cache's hit
+        rate (of prompt tokens looked up, those found cached), and speculative decoding's draft
+        tokens, accepted ones and mean accepted a verified sequence."""
+        counts = self.counts
+        return dict(steps=counts["steps"], preemptions=self.scheduler.num_preemptions,
+                    prefix_hit_rate=self.block_manager.prefix_hit_rate,
+                    draft_tokens=counts["drafted"], accepted_tokens=counts["accepted"],
+                    mean_accepted=counts["accepted"] / max(1, counts["verified"]))
+
+    def check(self):
+        """The invariants (debug mode, and the tests): every live sequence is in exactly one
+        queue with its status, and the block manager's counts match the block tables."""
+        queued = list(self.scheduler.waiting) + self.scheduler.running
+        assert len(queued) == len(set(map(id, queued))), "a sequence is in two queues"
+        assert all(s.status is SequenceStatus.WAITING for s in self.scheduler.waiting)
+        assert all(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
+        self.block_manager.check([seq.block_table for seq in queued])
+
+    def output(self, seq):
+        """The RequestOutput of a sequence as it stands."""
+        ids = seq.output_token_ids
+        text = None
+        if self.tokenizer is not None and seq.is_finished:  # the ending eos or stop id: no text
+            text_ids = ids if seq.stop_token_id is None else ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
+                             None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
+
+
+class LLM:
+    """The entry point: LLM(model).generate(prompts, sampling_params), one RequestOutput per
+    prompt, in the prompts' order; llm.engine is the LLMEngine, for requests one at a time.
+
+    model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
+    built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
+    (load_tokenizer); by default a directory's own, read from its tokenizer.json with the
+    weights. Without one (a built Qwen3, or a directory with no tokenizer.json) prompts are token
+    ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
+    the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
+    device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
+    limit: the model's max_position_embeddings).
+    The engine's knobs (vLLM's names): block_size, tokens a KV block holds; num_kv_blocks, the
+    pool's size, fixed (default: on a GPU what gpu_memory_utilization of its memory leaves after
+    the weights and a profiled step, on a CPU room for max_num_seqs sequences of max_model_len
+    tokens, at most 1 GiB); max_num_seqs and max_num_batched_tokens, the budgets of a step;
+    enable_prefix_caching; speculative: speculative decoding, {"method": "ngram"} (prompt lookup)
+    or {"method": "draft", "model": a smaller Qwen3, directory or Hub id}, with "num_tokens" k
+    (default 4) and "min_accepted" (see LLMEngine._speculating; 0: always on); enforce_eager:
+    no CUDA graphs; async_scheduling: each step launched before the previous one's tokens reach
+    the host (on by default, as SGLang's overlap scheduler; the outputs are the same); debug:
+    check the engine's invariants after every step.
+    """
+
+    def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
+                 block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_seqs=256,
+                 max_num_batched_tokens=8192, enable_prefix_caching=True, speculative=None,
+                 enforce_eager=False, async_scheduling=True, debug=False, data_dir=None):
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
+                            f"{type(tokenizer).__name__}")
+        if isinstance(model, Qwen3):
+            if device is not None or dtype is not None:
+                raise ValueError("a built Qwen3 is used as it is: move it with .to() instead of "
+                                 "passing device or dtype")
+            self.model, eos_token_ids = model.eval(), set()
+        elif isinstance(model, (str, os.PathLike)):
+            folder = model_folder(model, data_dir)
+            self.model = load_qwen3(folder, device, dtype)
+            eos_token_ids = config_eos_token_ids(folder)
+            if tokenizer is None and (folder / "tokenizer.json").is_file():
+                tokenizer = load_tokenizer(folder)
+        else:
+            raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not {type(model).__name__}")
+        if tokenizer is not None:
+            eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
+        self.tokenizer = tokenizer
+        limit = self.model.cfg.max_position_embeddings
+        self.max_model_len = limit if max_model_len is None else max_model_len
+        if not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len = {max_model_len!r} must be an int from 2 to the "
+                             f"model's max_position_embeddings, {limit}")
+        _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
+                     max_num_batched_tokens,
+                     dict(enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                          async_scheduling=async_scheduling, debug=debug))
+        draft = speculative.get("model") if isinstance(speculative, dict) else None
+        if isinstance(draft, (str, os.PathLike)):  # loaded before the pool is sized
+            speculative = dict(speculative)
+            draft = speculative["model"] = load_qwen3(
+                model_folder(draft, data_dir), _device_of(self.model),
+                self.model.model.embed_tokens.weight.dtype).use_kernels(self.model.kernels)
+        if num_kv_blocks is None:
+            num_kv_blocks = kv_blocks_for_memory(
+                [self.model] + ([draft] if isinstance(draft, Qwen3) else []), block_size,
+                self.max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization)
+        if speculative is not None:
+            speculative = make_proposer(speculative, self.model, num_kv_blocks, block_size,
+                                        self.max_model_len, enforce_eager)
+        runner = ModelRunner(self.model, num_kv_blocks, block_size, self.max_model_len,
+                             enforce_eager)
+        blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.engine = LLMEngine(runner, blocks, eos_token_ids=eos_token_ids,
+                                max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, tokenizer=tokenizer,
+                                async_scheduling=async_scheduling, speculative=speculative,
+                                debug=debug)
+
+    def generate(self, prompts, sampling_params=None):
+        """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
+        of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
+        defaults. Every prompt and its limits are checked before any work starts."""
+        prompts = self._prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        engine = self.engine
+        engine.reset()  # a fresh start, even after an interrupted call
+        seqs = [engine.new_sequence(i, prompt, p)
+                for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        while engine.has_unfinished():
+            engine.advance()
+        return [engine.output(seq) for seq in seqs]
+
+    @staticmethod
+    def _prompt_list(prompts):
+        """One prompt (a string or a list of ids) is a batch of one."""
+        if isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(
+                _is_int(t) for t in prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string or a list of token ids, or a non-empty "
+                             "list of them")
+        return prompts
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n):
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * n
+        if isinstance(sampling_params, (list, tuple)) and all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            if len(sampling_params) != n:
+                raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts: give "
+                                 f"one for all, or one per prompt")
+            return list(sampling_params)
+        raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
+
+
+def _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
+                 max_num_batched_tokens, switches):
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} = {value!r} must be a positive int")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size = {block_size} must be a power of two (the attention "
+                         f"kernels split a position into block and offset with a shift)")
+    if num_kv_blocks is not None and (not _is_int(num_kv_blocks) or num_kv_blocks < 1):
+        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} must be a positive int or None")
+    if not _is_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r} must be in (0, 1]")
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} = {value!r} must be True or False")
+
+
+def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+                         utilization):
+    """The pool's size in blocks, reported. On a GPU, vLLM's rule: of utilization x the GPU's
+    memory, what is left after what is in use now (the weights, the CUDA context, other
+    processes) and the peak of a profiled step of max_num_batched_tokens tokens; but no more
+    than max_num_seqs sequences of max_model_len tokens fill, with as much again for prefix
+    caching to keep. On a CPU, room for max_num_seqs sequences of max_model_len tokens, at most
+    1 GiB. models: the target, and a draft model whose cache shares the blocks."""
+    model, per_token = models[0], 0
+    for m in models:
+        cfg, dtype = m.cfg, m.model.embed_tokens.weight.dtype
+        per_token += (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                      * dtype.itemsize)
+    device = _device_of(model)
+    if device.type != "cuda":
+        tokens = min(max_num_seqs * max_model_len, max(max_model_len, 2**30 // per_token))
+        blocks = triton.cdiv(tokens, block_size)
+    else:
+        peak = profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = utilization * total - (total - free) - peak
+        most = 2 * max_num_seqs * triton.cdiv(max_model_len, block_size)
+        blocks = min(int(budget // (per_token * block_size)), most)
+        if blocks < triton.cdiv(max_model_len, block_size):
+            raise ValueError(f"gpu_memory_utilization {utilization} leaves room for "
+                             f"{max(blocks, 0)} KV blocks, fewer than one sequence of "
+                             f"max_model_len {max_model_len} needs: raise it, or lower "
+                             f"max_model_len")
+    print(f"KV cache: {blocks:,} blocks of {block_size} tokens = {blocks * block_size:,} tokens, "
+          f"{blocks * block_size * per_token / 2**30:.2f} GiB")
+    return blocks
+
+
+@torch.inference_mode()
+def profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens):
+    """Bytes a step's activations take at their peak, beyond what is allocated now: a prefill of
+    max_num_batched_tokens tokens (one sequence) that samples max_num_seqs rows, over a cache of
+    just its own blocks (not counted)."""
+    fuse_projections(model)
+    cfg, device = model.cfg, _device_of(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    N = max_num_batched_tokens
+    blocks = triton.cdiv(N, block_size)
+    shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
+    meta = AttentionMetadata(
+        slots=torch.arange(N, device=device),
+        lengths=torch.tensor([N], device=device, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, N], device=device, dtype=torch.int32),
+        block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
+        max_q_len=N, max_len=blocks * block_size,
+        sample_rows=torch.arange(N - min(N, max_num_seqs), N, device=device))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    attention = triton_attention if model.kernels else torch_attention
+    logits = forward_packed(model, torch.zeros(N, dtype=torch.int64, device=device),
+                            torch.arange(N, device=device), kv, meta, attention)
+    Sampler()(logits, SamplingBatch([SamplingParams(temperature=1.0, top_p=0.9)] * logits.shape[0],
+                                    [[0]] * logits.shape[0], cfg.vocab_size, device))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del kv, logits
+    torch.cuda.empty_cache()
+    return peak
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4078,1154 +5106,6 @@ class GrammarCache:
         return self.maskers[key]
 
 
-# ----------------------------------------------------------------------------------------------
-# Chapter 16. The engine
-# ----------------------------------------------------------------------------------------------
-# Requests flow one way through small parts (see ENGINE.md): a prompt becomes a Sequence, the
-# Scheduler picks the sequences of the next step and how many tokens each runs, the BlockManager
-# hands out the blocks of the KV cache they need, the ModelRunner packs them into one forward
-# pass and samples, each Sequence takes its new tokens, and the requests that advanced come back
-# as RequestOutputs. The model never sees a Sequence and the scheduler never sees a tensor.
-# LLMEngine.step is the loop's body; LLM.generate runs it until every request is done, and stage
-# 08's server calls it from its own loop.
-
-class SequenceStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-class Sequence:
-    """One request: its token ids (the prompt, then the output), its sampling rules and where it
-    stands. Its status goes WAITING -> RUNNING -> FINISHED, back to WAITING when it is
-    preempted, changed by the scheduler only. The keys and values of its first
-    num_computed_tokens tokens are in the cache (or being written by a launched step), in the
-    blocks of block_table; under async scheduling num_pending more tokens were sampled on the
-    device and are not read back yet."""
-
-    def __init__(self, request_id, prompt_token_ids, params, max_tokens, vocab_size, grammar=None,
-                 generator=None):
-        self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
-        self.params = params
-        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
-        self.grammar = grammar  # structured output's TokenMasker, or None
-        self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
-        self.generator = generator  # a seeded request's own random stream
-        self.sampling_row = sampling_row(params, vocab_size)  # its numbers, for SamplingBatch
-        # its next step needs its last token on the host (LLMEngine._needs_tokens)
-        self.needs_tokens = grammar is not None or params.has_penalties
-        self.status = SequenceStatus.WAITING
-        self.finish_reason = None
-        self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
-        self.logprobs = [] if params.logprobs is not None else None  # one {id: logprob} a token
-        self.block_table = []
-        self.num_computed_tokens = 0
-        self.num_pending = 0
-        # speculative decoding: the tokens proposed for the next step (and a draft model's
-        # probabilities for them, (k, V)), the positions the draft model has in its cache, and
-        # the mean number of drafts accepted a step (a moving average, from all k accepted)
-        self.draft_tokens, self.draft_probs = [], None
-        self.num_draft_computed = 0
-        self.mean_accepted = math.inf
-
-    @property
-    def num_tokens(self):
-        return len(self.token_ids) + self.num_pending
-
-    @property
-    def num_output_tokens(self):
-        return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self):
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self):
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def is_finished(self):
-        return self.status is SequenceStatus.FINISHED
-
-    def append(self, token, logprobs=None):
-        self.token_ids.append(token)
-        if self.logprobs is not None:
-            self.logprobs.append(logprobs)
-        if self.grammar is not None:
-            self.grammar_state = self.grammar.advance(self.grammar_state, token)
-            assert self.grammar_state != DEAD, f"token {token} was sampled against its mask"
-
-
-@dataclass
-class RequestOutput:
-    """A request's result: what generate returns for a prompt, and what LLMEngine.step returns
-    for each request that advanced (then token_ids so far, and finish_reason None until the
-    request ends)."""
-    prompt_token_ids: list
-    token_ids: list  # the generated ids, the eos or stop id that ended the request included
-    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
-    #                   (skip_special_tokens), without special tokens; None without a tokenizer,
-    #                   and until the request ends
-    finish_reason: str | None  # "stop": an eos or stop id, or structured output complete;
-    #                            "length": max_tokens or the context limit; "abort"
-    logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
-    #                               id and the top ones
-    request_id: object = None
-
-    @property
-    def finished(self):
-        return self.finish_reason is not None
-
-
-# ----------------------------------------------------------------------------------------------
-# Chapter 25. The paged KV cache: blocks and block tables; chapter 31: prefix caching
-# ----------------------------------------------------------------------------------------------
-# The model runner's cache is a pool of num_blocks blocks of block_size token slots, and each
-# sequence owns a block table: the ids of its blocks, in token order. Paging means no sequence
-# reserves slots for its longest possible length up front; it takes a block when it needs one,
-# so the only waste is the unfilled tail of each sequence's last block.
-#
-# Sequences whose prompts start alike (a system prompt, a chat's earlier turns) share the blocks
-# of that prefix instead of computing them again, so a block carries a reference count: the
-# number of tables that hold it. A full block is named by a chained hash, of its tokens and of
-# its parent block's hash, because its keys and values depend on every token before it, not on
-# its own tokens alone. A cached block whose count falls to 0 keeps its contents and its name
-# and may still be found by a later prompt; it is reused for other tokens only when no block is
-# left on the free list, least recently freed first (LRU).
-#
-# Legend: a block table is a list[int] of block ids; tokens [i * block_size, (i + 1) * block_size)
-# of a sequence live in block table[i].
-
-def block_hash(parent, token_ids):
-    """The 16-byte chained hash of a full block: its parent block's hash (None for a sequence's
-    first block) and its token ids. blake2b makes a hit mean the same tokens after the same
-    prefix, not merely the same bucket."""
-    data = (parent or bytes(16)) + np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
-class BlockManager:
-    """The bookkeeping of the paged KV cache, no tensors: which blocks are free, which sequences
-    hold which, and which full blocks can be found again by their contents. A block is in exactly
-    one of three places: the free list, the evictable LRU (reference count 0, still cached), or
-    in use (held by at least one block table)."""
-
-    def __init__(self, num_blocks, block_size=16, enable_prefix_caching=True):
-        if not _is_int(num_blocks) or num_blocks < 1:
-            raise ValueError(f"BlockManager: num_blocks = {num_blocks!r} must be a positive int")
-        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"BlockManager: block_size = {block_size!r} must be a positive int "
-                             "and a power of two (the attention kernels tile by it)")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"BlockManager: enable_prefix_caching = {enable_prefix_caching!r} "
-                             "must be True or False")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.free_blocks = deque(range(num_blocks))  # count 0, nothing cached in them
-        self.ref_counts = [0] * num_blocks
-        self.hashes = [None] * num_blocks  # a full block's chained hash, registered or not
-        self.cached = {}  # hash -> the one block registered under it
-        self.evictable = OrderedDict()  # cached blocks of count 0, least recently freed first
-        self.reset_stats()
-
-    @property
-    def num_free_blocks(self):
-        return len(self.free_blocks) + len(self.evictable)
-
-    @property
-    def prefix_hit_rate(self):
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-    def reset_stats(self):
-        self.hit_tokens = self.query_tokens = 0
-
-    def blocks_needed(self, table, num_tokens):
-        return max(0, -(-num_tokens // self.block_size) - len(table))
-
-    def allocate_prefix(self, table, token_ids):
-        """At admission: append the cached blocks that begin token_ids to the empty table and
-        return how many tokens they hold. The last token is never covered, so its logits are
-        computed and the sequence's first write lands in a block of its own."""
-        assert not table, "allocate_prefix starts a block table, it does not extend one"
-        if not self.enable_prefix_caching:
-            return 0
-        bs, parent = self.block_size, None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
-            block = self.cached.get(parent)
-            if block is None:
-                break
-            if self.ref_counts[block] == 0:
-                del self.evictable[block]
-            self.ref_counts[block] += 1
-            table.append(block)
-        self.query_tokens += len(token_ids)
-        self.hit_tokens += len(table) * bs
-        return len(table) * bs
-
-    def grow(self, table, num_tokens):
-        """Append fresh blocks until the table holds num_tokens slots: all of them, or, when too
-        few blocks are free, none (False)."""
-        needed = self.blocks_needed(table, num_tokens)
-        if needed > self.num_free_blocks:
-            return False
-        for _ in range(needed):
-            if self.free_blocks:
-                block = self.free_blocks.popleft()
-            else:  # evict: new tokens will overwrite its contents, so its name must go too
-                block, _ = self.evictable.popitem(last=False)
-                del self.cached[self.hashes[block]]
-                self.hashes[block] = None
-            assert self.ref_counts[block] == 0 and self.hashes[block] is None, (
-                f"block {block} handed out while held or named")
-            self.ref_counts[block] = 1
-            table.append(block)
-        return True
-
-    def reset_prefix_cache(self):
-        """Forget every cached block no sequence holds (vLLM's reset_prefix_cache): each goes
-        back to the free list, nameless. For benchmarks, whose runs must not find the last
-        run's prompts."""
-        for block in self.evictable:
-            self.hashes[block] = None
-            self.free_blocks.append(block)
-        self.evictable.clear()
-        self.cached = {h: b for h, b in self.cached.items() if self.ref_counts[b] > 0}
-
-    def cache_full_blocks(self, table, token_ids, start, end):
-        """Tokens [start, end) now have their keys and values in the cache: name each block that
-        became full, so that later prompts can find it. Only those blocks are touched, since
-        this runs for every sequence every step."""
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
-        assert 0 <= start <= end <= len(token_ids) and end <= len(table) * bs, (start, end)
-        for i in range(start // bs, end // bs):
-            parent = self.hashes[table[i - 1]] if i else None
-            assert i == 0 or parent is not None, f"block {i} is cached before its parent"
-            h = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
-            block = table[i]
-            assert self.hashes[block] in (None, h), f"block {block}'s tokens changed"
-            # Two sequences may have computed the same block; the first stays the one found,
-            # the second keeps its hash so that its own children chain from it.
-            self.hashes[block] = h
-            self.cached.setdefault(h, block)
-
-    def free(self, table):
-        """A finished or preempted sequence lets go of its blocks. Its last block goes first, so
-        that under eviction a shared prefix loses its tail before its head."""
-        for block in reversed(table):
-            assert self.ref_counts[block] > 0, f"block {block} freed more often than taken"
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block]:
-                continue
-            if self.cached.get(self.hashes[block]) == block:
-                self.evictable[block] = None
-            else:
-                self.hashes[block] = None
-                self.free_blocks.append(block)
-        table.clear()
-
-    def check(self, tables):
-        """Assert the invariants, given the block table of every live sequence."""
-        held = Counter()
-        for table in tables:
-            assert len(set(table)) == len(table), f"a block table holds a block twice: {table}"
-            held.update(table)
-        free, evictable = set(self.free_blocks), set(self.evictable)
-        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
-        assert not free & evictable, f"blocks both free and evictable: {free & evictable}"
-        assert not (free | evictable) & held.keys(), (
-            f"blocks free or evictable but held by a table: {(free | evictable) & held.keys()}")
-        assert len(free) + len(evictable) + len(held) == self.num_blocks, (
-            f"free {len(free)} + evictable {len(evictable)} + used {len(held)} != "
-            f"{self.num_blocks} blocks")
-        unknown = (free | evictable | held.keys()) - set(range(self.num_blocks))
-        assert not unknown, f"block ids outside the pool: {unknown}"
-        for block, count in enumerate(self.ref_counts):
-            assert count == held[block], (
-                f"block {block}: reference count {count}, but {held[block]} tables hold it")
-        for h, block in self.cached.items():
-            assert self.hashes[block] == h, f"the hash map names block {block} for another hash"
-        for block in evictable:
-            assert self.cached.get(self.hashes[block]) == block, f"evictable {block} not cached"
-        for block in free:
-            assert self.hashes[block] is None, f"free block {block} still has a hash"
-        assert self.enable_prefix_caching or not self.cached, "cached blocks without caching"
-
-
-# ----------------------------------------------------------------------------------------------
-# Chapter 24. Continuous batching: the scheduler
-# ----------------------------------------------------------------------------------------------
-# A static batch runs until its longest request ends: a request that finishes early leaves its
-# row idle, and a new one waits for the whole batch. Continuous batching (Orca, Yu et al. 2022)
-# decides every step which sequences run: one that finishes leaves at once, and a waiting one
-# joins the next step. A step then mixes kinds of work: decodes of running sequences (one token
-# each) and prefills of new ones (many tokens), packed side by side into one forward pass
-# (forward_packed). Two budgets bound a step: max_num_seqs sequences and max_num_batched_tokens
-# tokens. A long prompt does not stall the decodes for a whole step of its own: it is
-# prefilled in chunks of what the budget leaves after them (chunked prefill, Agrawal et al.
-# 2023), one chunk a step. The blocks of the paged cache are the third limit: when none is left
-# for a running sequence's next token, the latest admitted sequence is preempted (vLLM's
-# recompute policy): its blocks are freed and it waits at the head of the queue, to be
-# prefilled again with everything it has generated so far.
-
-class Scheduler:
-    """Which sequences run in the next step, and how many of their tokens. Running sequences
-    first, oldest first (a decode takes one token of the budget, a prompt being prefilled its
-    next chunk); then waiting ones, first come first served, while the step has budget and a
-    sequence slot left, the last one admitted possibly with a chunk of its prompt only. The
-    step's tokens never exceed the budget; a preempted sequence resumes with the output it had."""
-
-    def __init__(self, block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids):
-        self.block_manager, self.block_size = block_manager, block_manager.block_size
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting = deque()
-        self.running = []  # in the order of admission: the last one is preempted first
-        self.num_preemptions = 0
-
-    def add(self, seq):
-        self.waiting.append(seq)
-
-    def has_unfinished(self):
-        return bool(self.waiting or self.running)
-
-    def schedule(self):
-        """[(sequence, its new tokens this step)], and each sequence's num_computed_tokens moved
-        past them. A decode's draft tokens (speculative decoding) count as new tokens, the last
-        ones, cut to what the budget leaves."""
-        budget, batch, preempted = self.max_num_batched_tokens, [], False
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
-                continue  # preempted in this loop, or its last token is on its way
-            needed = seq.num_tokens - seq.num_computed_tokens
-            n = needed + len(seq.draft_tokens)
-            if n > budget:
-                n = budget
-                seq.draft_tokens = seq.draft_tokens[:max(0, n - needed)]
-            while (seq.num_computed_tokens + n > len(seq.block_table) * self.block_size
-                   and not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)):
-                preempted = True
-                self.preempt(self.running[-1])
-                if seq.status is not SequenceStatus.RUNNING:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                batch.append((seq, n))
-                budget -= n
-        while (self.waiting and budget and len(self.running) < self.max_num_seqs
-               and not preempted and not self.waiting[0].num_pending):
-            seq = self.waiting[0]
-            cached = self.block_manager.allocate_prefix(seq.block_table, seq.token_ids)
-            n = min(seq.num_tokens - cached, budget)
-            if not self.block_manager.grow(seq.block_table, cached + n):
-                self.block_manager.free(seq.block_table)
-                break
-            self.waiting.popleft()
-            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, cached
-            self.running.append(seq)
-            batch.append((seq, n))
-            budget -= n
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-        return batch
-
-    def preempt(self, seq):
-        self.running.remove(seq)
-        self.block_manager.free(seq.block_table)
-        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
-        seq.draft_tokens, seq.draft_probs, seq.num_draft_computed = [], None, 0
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
-    def finish(self, seq, reason):
-        """End a sequence wherever it is (a queue or the running batch) and free its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self.block_manager.free(seq.block_table)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-
-    def postprocess(self, seqs, tokens, logprobs):
-        """Give each sequence its new tokens (a list each), register the blocks they filled for
-        prefix caching, and finish the sequences they end. Returns the sequences that advanced."""
-        advanced = []
-        for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
-            seq.num_pending -= 1
-            if seq.draft_tokens:  # the rejected drafts' positions are computed again later
-                k, accepted = len(seq.draft_tokens), len(new) - 1
-                seq.num_computed_tokens -= k - accepted
-                seq.draft_tokens, seq.draft_probs = [], None
-            # the draft model's cache past here holds drafts this step did not accept, or that
-            # the budget cut before they were verified (all of them, even)
-            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-            if seq.is_finished:  # ended (by eos, or aborted) while this step ran
-                continue
-            for token, token_logprobs in zip(new, new_logprobs):
-                seq.append(token, token_logprobs)
-                reason = self._finish_reason(seq, token)
-                if reason is not None:
-                    if reason == "stop" and not self._grammar_finished(seq):
-                        seq.stop_token_id = token
-                    self._cache_last_blocks(seq)
-                    self.finish(seq, reason)
-                    break
-            advanced.append(seq)
-        return advanced
-
-    def _cache_last_blocks(self, seq):
-        """Register the blocks filled by the step that ends seq, before finish frees them:
-        register_computed comes after postprocess and skips finished sequences, so a prompt
-        whose request ends at its first token would never be found by the next one."""
-        blocks, table = self.block_manager, seq.block_table
-        first = next((i for i, block in enumerate(table) if blocks.hashes[block] is None), len(table))
-        end = seq.num_computed_tokens  # (rejected drafts were taken off above)
-        blocks.cache_full_blocks(table, seq.token_ids, min(first * self.block_size, end), end)
-
-    def register_computed(self, spans):
-        """Blocks that a step filled become reusable by later prompts (prefix caching). spans:
-        [(sequence, start, end)], the positions the step computed; their tokens are all known by
-        now. A sequence preempted since then has lost those blocks."""
-        bs = self.block_size
-        for seq, start, end in spans:
-            end = min(end, seq.num_computed_tokens)  # (rejected drafts are not computed)
-            if seq.status is SequenceStatus.RUNNING and end // bs > start // bs:  # a block filled
-                self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, start, end)
-
-    def _finish_reason(self, seq, token):
-        # Under a grammar the mask allows eos only where the text is complete, and there eos ends
-        # the request even with ignore_eos: the text can only be finished, not continued.
-        eos_ends = not seq.params.ignore_eos or seq.grammar is not None
-        if token in seq.params.stop_token_ids or (eos_ends and token in self.eos_token_ids):
-            return "stop"
-        if self._grammar_finished(seq):  # the automaton accepts, and nothing may follow
-            return "stop"
-        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
-            return "length"
-        return None
-
-    @staticmethod
-    def _grammar_finished(seq):
-        return seq.grammar is not None and seq.grammar.is_finished(seq.grammar_state)
-
-
-class StepHandle:
-    """A launched step: the positions it computed, and the tokens it sampled on their way to the
-    host."""
-
-    def __init__(self, spans, seqs, tokens, read):
-        self.spans = spans  # [(sequence, start, end)]: the positions computed, as scheduled
-        self.seqs = seqs  # the sequences that sampled
-        self.rows = {seq: row for row, seq in enumerate(seqs)}  # a sequence's row in tokens
-        self.tokens = tokens  # (S,) on the device: one token a sequence (no speculation)
-        self.read = read  # () -> (new tokens, logprobs): a list per sequence, waiting for them
-
-
-class ModelRunner:
-    """Turns a step's packed sequences into tensors, runs the model and samples. It owns the
-    paged KV cache, allocated once; decode steps replay CUDA graphs on a GPU (unless
-    enforce_eager), other steps run forward_packed eagerly. launch() only queues the work and
-    starts copying the sampled tokens back: the StepHandle's read() waits for them."""
-
-    def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False):
-        self.model = fuse_projections(model)
-        cfg = model.cfg
-        self.device, self.dtype = _device_of(model), model.model.embed_tokens.weight.dtype
-        self.vocab_size, self.block_size = cfg.vocab_size, block_size
-        self.max_len = triton.cdiv(max_model_len, block_size) * block_size  # the blocks' reach
-        self.attention = triton_attention if model.kernels else torch_attention
-        # one block more than the manager hands out: the scratch block, where a graph's padding
-        # rows write their keys and values
-        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
-                 cfg.head_dim)
-        self.kv = (torch.zeros(shape, device=self.device, dtype=self.dtype),
-                   torch.zeros(shape, device=self.device, dtype=self.dtype))
-        self.scratch_slot = num_blocks * block_size
-        graphed = self.device.type == "cuda" and model.kernels and not enforce_eager
-        self.graphs = (DecodeGraphs(self.model, self.kv, self.max_len, self.attention)
-                       if graphed else None)
-        self.sampler = Sampler()
-
-    @torch.inference_mode()
-    def launch(self, batch, previous=None):
-        """Queue one step: batch = [(sequence, its new tokens)] as scheduled (num_computed_tokens
-        already past them, a sequence's draft tokens last). A new token not yet on the host is
-        the one `previous` (a StepHandle) sampled: it is read on the device. Returns a
-        StepHandle."""
-        entries, seqs, spans = [], [], []
-        for seq, n in batch:
-            end, k = seq.num_computed_tokens, len(seq.draft_tokens)
-            start = end - n
-            ids, from_previous = seq.token_ids[start:end - k], None
-            if len(ids) < n - k:  # the last one is on its way from the previous step
-                ids, from_previous = ids + [0], previous.rows[seq]
-            samples = 0
-            if end - k == seq.num_tokens:  # all its tokens are in: it samples (k + 1 rows)
-                samples = k + 1
-                seqs.append(seq)
-            if k and len(ids) == 1:
-                # a decode and its drafts: k + 1 entries of one token each, at successive
-                # positions over the same blocks, as k + 1 decodes; each layer writes all their
-                # keys before any attends, so token i still sees tokens < i. The step is then
-                # decode-shaped, and its CUDA graph replays it
-                entries += [([t], None, start + i, seq.block_table, 1)
-                            for i, t in enumerate(ids + seq.draft_tokens)]
-            else:
-                entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table,
-                                samples))
-            spans.append((seq, start, end))
-        logits = self.forward(entries, previous.tokens if previous is not None else None)
-        plain = [seq for seq in seqs if not seq.draft_tokens]
-        tokens = logprobs = None
-        if plain:
-            if len(plain) < len(seqs):  # a speculative step: the plain rows' logits, one each
-                ends = np.cumsum([len(seq.draft_tokens) + 1 for seq in seqs]) - 1
-                logits_plain = logits[self._to_device(
-                    [end for end, seq in zip(ends, seqs) if not seq.draft_tokens], torch.int64)]
-            else:
-                logits_plain = logits
-            masks = [None if s.grammar is None else s.grammar.mask(s.grammar_state) for s in plain]
-            tokens, logprobs = self.sampler(logits_plain, self.sampling_batch(plain), masks)
-        read_plain = self._read_back(tokens, logprobs)
-        read_spec = self._verify(seqs, logits) if len(plain) < len(seqs) else None
-
-        def lists():
-            """A list of new tokens and one of logprobs per sequence, in seqs' order."""
-            tokens_list, logprobs_tensors = read_plain()
-            new = [[t] for t in tokens_list]
-            logprobs_list = [[x] for x in self.logprobs_lists(plain, tokens_list, logprobs_tensors)]
-            if read_spec is None:
-                return new, logprobs_list
-            per_seq = dict(zip(plain, zip(new, logprobs_list)))
-            per_seq.update(read_spec())
-            new = [per_seq[seq] for seq in seqs]
-            return [t for t, _ in new], [lp for _, lp in new]
-        return StepHandle(spans, seqs, tokens, lists)
-
-    def sampling_batch(self, seqs, repeat=1):
-        """The SamplingBatch of the sequences, each in `repeat` rows (one per verified position).
-        The prompts and outputs (copies) only where a penalty needs them."""
-        seqs = [seq for seq in seqs for _ in range(repeat)]
-        params = [s.params for s in seqs]
-        penalties = any(s.needs_tokens and s.params.has_penalties for s in seqs)
-        return SamplingBatch(params, [s.prompt_token_ids for s in seqs] if penalties else None,
-                             self.vocab_size, self.device,
-                             outputs=[s.output_token_ids for s in seqs] if penalties else None,
-                             generators=[s.generator for s in seqs] if repeat == 1 else None,
-                             rows=[s.sampling_row for s in seqs])
-
-    @torch.inference_mode()
-    def forward(self, entries, previous_tokens=None):
-        """One packed forward pass. entries: [(ids, from_previous, start, block_table, samples)]:
-        a sequence's new token ids (a list) at positions start.., the last one taken on the
-        device from previous_tokens[from_previous] when that is not None; `samples`: how many
-        of its last rows need logits. Returns those logits (rows, V), in order."""
-        bs = self.block_size
-        ids, pending, positions, slots, lengths, tables, sample_rows = [], [], [], [], [], [], []
-        cu = [0]
-        for tokens, from_previous, start, table, samples in entries:
-            end = start + len(tokens)
-            if from_previous is not None:
-                pending.append((len(ids) + len(tokens) - 1, from_previous))
-            ids += tokens
-            positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            lengths.append(end)
-            tables.append(table)
-            cu.append(len(ids))
-            sample_rows += range(len(ids) - samples, len(ids))
-        graphed = len(ids) == len(entries) and self.graphs is not None  # a decode step
-        if graphed:  # padded to its graph's bucket: rows that read nothing, write the scratch slot
-            pad = graph_bucket(len(ids)) - len(ids)
-            ids, positions, lengths = ids + [0] * pad, positions + [0] * pad, lengths + [0] * pad
-            slots += [self.scratch_slot] * pad
-            cu += range(cu[-1] + 1, cu[-1] + pad + 1)
-        table_array = np.zeros((len(lengths), max(map(len, tables))), dtype=np.int32)
-        for row, table in enumerate(tables):
-            table_array[row, :len(table)] = table
-        # two copies to the device, of the int64 inputs and of the int32 ones, not one an input:
-        # a copy costs the host ~30 us (pinning, launching it), and the host builds a step while
-        # the GPU runs the last one (64 decodes, H200: 91 us for the two, 245 for nine)
-        dst, src = zip(*pending) if pending else ((), ())
-        ids_d, positions_d, slots_d, rows_d, dst, src = self._ints_to_device(
-            torch.int64, ids, positions, slots, sample_rows, dst, src)
-        cu_d, lengths_d, tables_d = self._ints_to_device(torch.int32, cu, lengths,
-                                                         table_array.ravel())
-        if pending:
-            ids_d[dst] = previous_tokens[src]
-        meta = AttentionMetadata(
-            slots=slots_d, cu_seqlens_q=cu_d, lengths=lengths_d,
-            block_tables=tables_d.view(table_array.shape),
-            max_q_len=max(len(e[0]) for e in entries), max_len=table_array.shape[1] * bs,
-            sample_rows=rows_d)
-        if not graphed:
-            return forward_packed(self.model, ids_d, positions_d, self.kv, meta, self.attention)
-        meta.sample_rows = torch.arange(len(ids), device=self.device)
-        logits = self.graphs(ids_d, positions_d, meta)  # (bucket, V)
-        return logits if len(sample_rows) == len(ids) else logits[rows_d]
-
-    def _verify(self, seqs, logits):
-        """Speculative decoding's check of the sequences of a step that carry draft tokens:
-        logits holds k + 1 rows for each of seqs (1 for one without drafts, skipped here). The
-        target's distribution at each position, then rejection_sample. Returns a function that
-        waits for the result: {sequence: (new tokens, logprobs)}."""
-        index, start, drafted = [], 0, []
-        K = max(len(seq.draft_tokens) for seq in seqs)
-        for seq in seqs:
-            k = len(seq.draft_tokens)
-            if k:  # (K + 1) rows of logits, the last one repeated past k
-                index.append([start + min(i, k) for i in range(K + 1)])
-                drafted.append(seq)
-            start += k + 1
-        index = self._to_device(index, torch.int64)
-        probs = Sampler.probs(logits[index.flatten()].float(), self.sampling_batch(
-            drafted, repeat=K + 1)).view(len(drafted), K + 1, -1)  # (B, K + 1, V)
-        drafts = self._to_device(  # (B, K)
-            [s.draft_tokens + [0] * (K - len(s.draft_tokens)) for s in drafted], torch.int64)
-        num_draft = self._to_device([len(s.draft_tokens) for s in drafted], torch.int64)
-        draft_probs = None
-        if drafted[0].draft_probs is not None:  # a draft model's, (k, V) a sequence: zero-padded
-            draft_probs = torch.zeros(len(drafted), K, probs.shape[-1], device=self.device)
-            for row, seq in enumerate(drafted):
-                k = len(seq.draft_tokens)  # (the budget may have cut the draft short)
-                draft_probs[row, :k] = seq.draft_probs[:k]
-        greedy = self._to_device([s.params.temperature < GREEDY_BELOW for s in drafted], torch.bool)
-        generators = {row: s.generator for row, s in enumerate(drafted) if s.generator is not None}
-        tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy,
-                                            generators)
-        read = self._read_back(tokens, (accepted,))
-
-        def wait():
-            tokens_list, (accepted_t,) = read()
-            return {seq: (row[:a + 1], [None] * (a + 1))
-                    for seq, row, a in zip(drafted, tokens_list, accepted_t.tolist())}
-        return wait
-
-    def _to_device(self, data, dtype):
-        """A host list or array on the device: from pinned memory, without waiting for the GPU."""
-        t = torch.as_tensor(np.asarray(data), dtype=dtype)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _ints_to_device(self, dtype, *arrays):
-        """Host lists or arrays of ints, one dimension each, on the device in one copy: views of
-        one tensor."""
-        sizes = [len(a) for a in arrays]
-        packed, at = np.empty(sum(sizes), dtype=np.int64), 0
-        for a, size in zip(arrays, sizes):
-            packed[at:at + size] = a
-            at += size
-        return self._to_device(packed, dtype).split(sizes)
-
-    def _read_back(self, tokens, logprobs):
-        """Start copying the sampled tokens (and logprobs) to the host; the function returned waits
-        for these copies only, not for what is queued on the GPU after them, and returns
-        (tokens as a list, logprobs)."""
-        if tokens is None:
-            return lambda: ([], None)
-        tensors = [tokens, *(logprobs or ())]
-        copied = None
-        if self.device.type == "cuda":
-            tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
-            copied = torch.cuda.Event()
-            copied.record()
-
-        def wait():
-            if copied is not None:
-                copied.synchronize()
-            return tensors[0].tolist(), (tuple(tensors[1:]) if logprobs is not None else None)
-        return wait
-
-    @staticmethod
-    def logprobs_lists(seqs, tokens, logprobs):
-        """Per row, {id: logprob} of the sampled id and the row's top ones, or None."""
-        if logprobs is None:
-            return [None] * len(seqs)
-        sampled, top_values, top_ids = (x.tolist() for x in logprobs)
-        out = []
-        for row, seq in enumerate(seqs):
-            k = seq.params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            out.append({tokens[row]: sampled[row], **dict(zip(top_ids[row][:k], top_values[row][:k]))})
-        return out
-
-
-class LLMEngine:
-    """Requests in, one step at a time, outputs out: add_request, step, abort. Stage 08's server
-    drives these from its engine thread.
-
-    With async_scheduling, a step is launched before the previous step's tokens reach the host:
-    step() schedules and launches step n + 1, then reads step n's tokens, so that the host's
-    work (scheduling, the inputs, the outputs) runs while the GPU computes. A sequence's next
-    input is then read on the device from step n's tokens, and a sequence that step n ends by an
-    eos runs one step more, whose token nobody reads. Steps that need every token on the host
-    first (structured output's masks, penalties, speculative decoding) run one at a time."""
-
-    def __init__(self, runner, block_manager, *, eos_token_ids, max_model_len, max_num_seqs,
-                 max_num_batched_tokens, tokenizer=None, async_scheduling=True, speculative=None,
-                 debug=False):
-        self.runner, self.block_manager = runner, block_manager
-        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids)
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len, self.tokenizer = max_model_len, tokenizer
-        self.async_scheduling, self.debug = async_scheduling, debug
-        # speculative decoding: (proposer, tokens to propose, mean accepted below which a
-        # sequence stops proposing), or None
-        self.proposer, self.num_speculative, self.min_accepted = speculative or (None, 0, 0.0)
-        self.grammars = None  # the GrammarCache, built at the first structured request
-        self.requests = {}  # request_id -> Sequence, until it ends
-        self.num_needing_tokens = 0  # of them, under structured output or penalties
-        self.in_flight = None  # the StepHandle launched and not read yet
-        self.last_batch = []  # [(sequence, its new tokens)] of the last step scheduled
-        self.counts = Counter()  # steps, those overlapped; sequences verified, drafts, accepted
-        self.num_advances = 0  # the clock of speculation's probes
-
-    def add_request(self, request_id, prompt, params=None):
-        """Queue a request: prompt a string (with a tokenizer) or a list of token ids; params a
-        SamplingParams (None: the defaults). Checked here: a bad request raises ValueError and
-        leaves the engine as it was."""
-        self.add_sequence(self.new_sequence(request_id, prompt, params))
-
-    def new_sequence(self, request_id, prompt, params=None):
-        """The request as a Sequence, every check done, not queued yet."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
-        ids = self._prompt_ids(request_id, prompt)
-        max_tokens = self._check_request(request_id, ids, params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        return Sequence(request_id, ids, params, max_tokens, self.runner.vocab_size,
-                        self._grammar(request_id, params), generator)
-
-    def add_sequence(self, seq):
-        self.requests[seq.request_id] = seq
-        self.num_needing_tokens += seq.needs_tokens
-        self.scheduler.add(seq)
-
-    def reset(self):
-        """Abort every request, and wait for the step in flight."""
-        for request_id in list(self.requests):
-            self.abort(request_id)
-        if self.in_flight is not None:
-            self.in_flight.read()
-            self.in_flight = None
-
-    def _prompt_ids(self, request_id, prompt):
-        """The prompt as a list of token ids, checked against the vocabulary."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {request_id!r} is text, but this LLM has no tokenizer: "
-                                 f"pass token ids, or LLM(..., tokenizer=...)")
-            prompt = self.tokenizer.encode(prompt)
-        elif not isinstance(prompt, (list, tuple)) or not all(
-                type(t) is int or _is_int(t) for t in prompt):  # (the common case first)
-            raise ValueError(f"prompt {request_id!r} must be a string or a list of token ids")
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {request_id!r} is empty: generation needs a token to "
-                             f"continue")
-        vocab = self.runner.vocab_size
-        outside = [t for t in ids if not 0 <= t < vocab]
-        if outside:
-            raise ValueError(f"prompt {request_id!r} holds token id {outside[0]}, outside the "
-                             f"model's vocabulary [0, {vocab})")
-        return ids
-
-    def _check_request(self, i, ids, params):
-        """How many tokens prompt i may generate, checked against max_model_len and the KV pool;
-        its params checked against the vocabulary."""
-        n, limit = len(ids), self.max_model_len
-        if n > limit:
-            raise ValueError(f"prompt {i!r} is {n} tokens, longer than max_model_len {limit}")
-        if n == limit:
-            raise ValueError(f"prompt {i!r} is {n} tokens, all of max_model_len {limit}: no room "
-                             f"to generate")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"prompt {i!r}: {n} prompt tokens + max_tokens {params.max_tokens} = "
-                             f"{n + params.max_tokens}, beyond max_model_len {limit}")
-        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
-        blocks = self.block_manager
-        if triton.cdiv(n + max_tokens, blocks.block_size) > blocks.num_blocks:
-            raise ValueError(f"prompt {i!r}: {n} prompt tokens + {max_tokens} to generate need "
-                             f"more than the KV pool's {blocks.num_blocks} blocks of "
-                             f"{blocks.block_size} tokens: lower max_tokens or max_model_len")
-        vocab = self.runner.vocab_size
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"SamplingParams.stop_token_ids of prompt {i!r} holds {outside[0]}, "
-                             f"outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs of prompt {i!r} asks for {params.logprobs} "
-                             f"top logprobs, more than the vocabulary's {vocab} tokens")
-        return max_tokens
-
-    def _grammar(self, i, params):
-        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
-        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
-        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
-            return None
-        if self.tokenizer is None:
-            raise ValueError(f"prompt {i!r} asks for structured output, which needs a tokenizer "
-                             f"(each token's bytes): LLM(..., tokenizer=...)")
-        if self.grammars is None:
-            vocab = grammar_vocab(self.tokenizer, self.runner.vocab_size)
-            self.grammars = GrammarCache(vocab, self.eos_token_ids, self.runner.device)
-        masker = self.grammars.get(regex=params.regex, choice=params.choice,
-                                   json_schema=params.json_schema)
-        if masker.is_finished(masker.start):
-            raise ValueError(f"the structured output of prompt {i!r} allows only the empty text: "
-                             f"there is nothing to generate")
-        return masker
-
-    def abort(self, request_id):
-        """End a request wherever it is (waiting, being prefilled or decoding); its blocks are
-        freed at once. An unknown or finished id is ignored (it may have just finished)."""
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self.num_needing_tokens -= seq.needs_tokens
-            self.scheduler.finish(seq, "abort")
-
-    def has_unfinished(self):
-        return self.scheduler.has_unfinished() or self.in_flight is not None
-
-    @property
-    def num_unfinished(self):
-        return len(self.requests)
-
-    def step(self):
-        """One turn of the loop: schedule, launch, and read back (under async scheduling, the
-        previous step's tokens): returns a RequestOutput for every request that advanced."""
-        return [self.output(seq) for seq in self.advance()]
-
-    def advance(self):
-        """step() without building its outputs (each a copy of a request's tokens so far):
-        returns the sequences that advanced."""
-        self.num_advances += 1
-        overlap = self.async_scheduling and not self._needs_tokens()
-        self.counts["overlapped"] += overlap
-        advanced = [] if overlap else self._read(self.in_flight)  # (no step in flight then)
-        batch = self.last_batch = self.scheduler.schedule()
-        previous, self.in_flight = self.in_flight, None
-        if batch:
-            self.in_flight = self.runner.launch(batch, previous)
-            for seq in self.in_flight.seqs:
-                seq.num_pending += 1
-        advanced += self._read(previous) if overlap else self._read(self.in_flight)
-        if not overlap:
-            self.in_flight = None
-            if self.proposer is not None:
-                self._propose()
-        if self.debug:
-            self.check()
-        return advanced
-
-    def _read(self, handle):
-        """Wait for a launched step's tokens and hand them to its sequences."""
-        if handle is None:
-            return []
-        tokens, logprobs = handle.read()  # a list of new tokens (and of logprobs) a sequence
-        self.counts["steps"] += 1
-        for seq, new in zip(handle.seqs, tokens):
-            if seq.draft_tokens:
-                self.counts["verified"] += 1
-                self.counts["drafted"] += len(seq.draft_tokens)
-                self.counts["accepted"] += len(new) - 1
-                seq.mean_accepted = (0.7 * min(seq.mean_accepted, self.num_speculative)
-                                     + 0.3 * (len(new) - 1))
-        advanced = self.scheduler.postprocess(handle.seqs, tokens, logprobs)
-        self.scheduler.register_computed(handle.spans)
-        for seq in advanced:
-            if seq.is_finished and self.requests.pop(seq.request_id, None) is not None:
-                self.num_needing_tokens -= seq.needs_tokens
-        return advanced
-
-    def _needs_tokens(self):
-        """Whether this step needs the last step's tokens on the host before it starts: for
-        structured output or penalties, to verify drafts, or to propose after it."""
-        return self.num_needing_tokens > 0 or self.proposer is not None and bool(
-            any(seq.draft_tokens for seq in self.scheduler.running) or self._speculating())
-
-    def _speculating(self):
-        """The sequences that propose drafts after this step. Not those under structured output,
-        penalties or logprobs (the verification samples without them), nor those whose mean
-        accepted drafts a step is below min_accepted, where verifying costs more than it saves;
-        all of them probe together every SPEC_PROBE_STEPS steps, to measure anew. And none
-        unless their gains together pay for the wait that speculation puts on the whole batch:
-        a step that proposes cannot overlap the next one (SPEC_SYNC_COST). min_accepted = 0:
-        every sequence that can speculates, always."""
-        running = self.scheduler.running
-        probe = self.num_advances % SPEC_PROBE_STEPS == 0
-        seqs = [seq for seq in running if seq.grammar is None and not seq.params.has_penalties
-                and seq.params.logprobs is None
-                and (probe or seq.mean_accepted >= self.min_accepted)]
-        gain = sum(min(seq.mean_accepted, self.num_speculative) - self.min_accepted for seq in seqs)
-        always = probe or self.min_accepted == 0
-        return seqs if always or gain >= SPEC_SYNC_COST * len(running) else []
-
-    def _propose(self):
-        """Draft tokens for the next step of every decoding sequence that speculates."""
-        seqs, ks = [], []
-        for seq in self._speculating():
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
-                continue  # (still holding drafts: it sat this step out, and they wait for the next)
-            k = min(self.num_speculative, seq.max_tokens - seq.num_output_tokens - 1)
-            if k >= 1 and self.block_manager.grow(seq.block_table, seq.num_tokens + k):
-                seqs.append(seq)
-                ks.append(k)
-        if seqs:
-            self.proposer.propose(seqs, ks)
-        for seq in seqs:
-            if not seq.draft_tokens:  # nothing to propose: speculation gained nothing this step
-                seq.mean_accepted = 0.7 * min(seq.mean_accepted, self.num_speculative)
-
-    @property
-    def stats(self):
-        """The engine's counters since it was built: steps, preemptions, the prefix cache's hit
-        rate (of prompt tokens looked up, those found cached), and speculative decoding's draft
-        tokens, accepted ones and mean accepted a verified sequence."""
-        counts = self.counts
-        return dict(steps=counts["steps"], preemptions=self.scheduler.num_preemptions,
-                    prefix_hit_rate=self.block_manager.prefix_hit_rate,
-                    draft_tokens=counts["drafted"], accepted_tokens=counts["accepted"],
-                    mean_accepted=counts["accepted"] / max(1, counts["verified"]))
-
-    def check(self):
-        """The invariants (debug mode, and the tests): every live sequence is in exactly one
-        queue with its status, and the block manager's counts match the block tables."""
-        queued = list(self.scheduler.waiting) + self.scheduler.running
-        assert len(queued) == len(set(map(id, queued))), "a sequence is in two queues"
-        assert all(s.status is SequenceStatus.WAITING for s in self.scheduler.waiting)
-        assert all(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
-        self.block_manager.check([seq.block_table for seq in queued])
-
-    def output(self, seq):
-        """The RequestOutput of a sequence as it stands."""
-        ids = seq.output_token_ids
-        text = None
-        if self.tokenizer is not None and seq.is_finished:  # the ending eos or stop id: no text
-            text_ids = ids if seq.stop_token_id is None else ids[:-1]
-            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
-                             None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
-
-
-class LLM:
-    """The entry point: LLM(model).generate(prompts, sampling_params), one RequestOutput per
-    prompt, in the prompts' order; llm.engine is the LLMEngine, for requests one at a time.
-
-    model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
-    built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
-    (load_tokenizer); by default a directory's own, read from its tokenizer.json with the
-    weights. Without one (a built Qwen3, or a directory with no tokenizer.json) prompts are token
-    ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
-    the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
-    device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
-    limit: the model's max_position_embeddings).
-    The engine's knobs (vLLM's names): block_size, tokens a KV block holds; num_kv_blocks, the
-    pool's size, fixed (default: on a GPU what gpu_memory_utilization of its memory leaves after
-    the weights and a profiled step, on a CPU room for max_num_seqs sequences of max_model_len
-    tokens, at most 1 GiB); max_num_seqs and max_num_batched_tokens, the budgets of a step;
-    enable_prefix_caching; speculative: speculative decoding, {"method": "ngram"} (prompt lookup)
-    or {"method": "draft", "model": a smaller Qwen3, directory or Hub id}, with "num_tokens" k
-    (default 4) and "min_accepted" (see LLMEngine._speculating; 0: always on); enforce_eager:
-    no CUDA graphs; async_scheduling: each step launched before the previous one's tokens reach
-    the host (on by default, as SGLang's overlap scheduler; the outputs are the same); debug:
-    check the engine's invariants after every step.
-    """
-
-    def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
-                 block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_seqs=256,
-                 max_num_batched_tokens=8192, enable_prefix_caching=True, speculative=None,
-                 enforce_eager=False, async_scheduling=True, debug=False, data_dir=None):
-        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
-                            f"{type(tokenizer).__name__}")
-        if isinstance(model, Qwen3):
-            if device is not None or dtype is not None:
-                raise ValueError("a built Qwen3 is used as it is: move it with .to() instead of "
-                                 "passing device or dtype")
-            self.model, eos_token_ids = model.eval(), set()
-        elif isinstance(model, (str, os.PathLike)):
-            folder = model_folder(model, data_dir)
-            self.model = load_qwen3(folder, device, dtype)
-            eos_token_ids = config_eos_token_ids(folder)
-            if tokenizer is None and (folder / "tokenizer.json").is_file():
-                tokenizer = load_tokenizer(folder)
-        else:
-            raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not {type(model).__name__}")
-        if tokenizer is not None:
-            eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
-        self.tokenizer = tokenizer
-        limit = self.model.cfg.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len = {max_model_len!r} must be an int from 2 to the "
-                             f"model's max_position_embeddings, {limit}")
-        _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
-                     max_num_batched_tokens,
-                     dict(enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                          async_scheduling=async_scheduling, debug=debug))
-        draft = speculative.get("model") if isinstance(speculative, dict) else None
-        if isinstance(draft, (str, os.PathLike)):  # loaded before the pool is sized
-            speculative = dict(speculative)
-            draft = speculative["model"] = load_qwen3(
-                model_folder(draft, data_dir), _device_of(self.model),
-                self.model.model.embed_tokens.weight.dtype).use_kernels(self.model.kernels)
-        if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_memory(
-                [self.model] + ([draft] if isinstance(draft, Qwen3) else []), block_size,
-                self.max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization)
-        if speculative is not None:
-            speculative = make_proposer(speculative, self.model, num_kv_blocks, block_size,
-                                        self.max_model_len, enforce_eager)
-        runner = ModelRunner(self.model, num_kv_blocks, block_size, self.max_model_len,
-                             enforce_eager)
-        blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.engine = LLMEngine(runner, blocks, eos_token_ids=eos_token_ids,
-                                max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, tokenizer=tokenizer,
-                                async_scheduling=async_scheduling, speculative=speculative,
-                                debug=debug)
-
-    def generate(self, prompts, sampling_params=None):
-        """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
-        of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
-        defaults. Every prompt and its limits are checked before any work starts."""
-        prompts = self._prompt_list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        engine = self.engine
-        engine.reset()  # a fresh start, even after an interrupted call
-        seqs = [engine.new_sequence(i, prompt, p)
-                for i, (prompt, p) in enumerate(zip(prompts, params))]
-        for seq in seqs:
-            engine.add_sequence(seq)
-        while engine.has_unfinished():
-            engine.advance()
-        return [engine.output(seq) for seq in seqs]
-
-    @staticmethod
-    def _prompt_list(prompts):
-        """One prompt (a string or a list of ids) is a batch of one."""
-        if isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(
-                _is_int(t) for t in prompts):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a string or a list of token ids, or a non-empty "
-                             "list of them")
-        return prompts
-
-    @staticmethod
-    def _params_per_prompt(sampling_params, n):
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            return [sampling_params or SamplingParams()] * n
-        if isinstance(sampling_params, (list, tuple)) and all(
-                isinstance(p, SamplingParams) for p in sampling_params):
-            if len(sampling_params) != n:
-                raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts: give "
-                                 f"one for all, or one per prompt")
-            return list(sampling_params)
-        raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
-
-
-def _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
-                 max_num_batched_tokens, switches):
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} = {value!r} must be a positive int")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size = {block_size} must be a power of two (the attention "
-                         f"kernels split a position into block and offset with a shift)")
-    if num_kv_blocks is not None and (not _is_int(num_kv_blocks) or num_kv_blocks < 1):
-        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} must be a positive int or None")
-    if not _is_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r} must be in (0, 1]")
-    for name, value in switches.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} = {value!r} must be True or False")
-
-
-def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
-                         utilization):
-    """The pool's size in blocks, reported. On a GPU, vLLM's rule: of utilization x the GPU's
-    memory, what is left after what is in use now (the weights, the CUDA context, other
-    processes) and the peak of a profiled step of max_num_batched_tokens tokens; but no more
-    than max_num_seqs sequences of max_model_len tokens fill, with as much again for prefix
-    caching to keep. On a CPU, room for max_num_seqs sequences of max_model_len tokens, at most
-    1 GiB. models: the target, and a draft model whose cache shares the blocks."""
-    model, per_token = models[0], 0
-    for m in models:
-        cfg, dtype = m.cfg, m.model.embed_tokens.weight.dtype
-        per_token += (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                      * dtype.itemsize)
-    device = _device_of(model)
-    if device.type != "cuda":
-        tokens = min(max_num_seqs * max_model_len, max(max_model_len, 2**30 // per_token))
-        blocks = triton.cdiv(tokens, block_size)
-    else:
-        peak = profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
-        free, total = torch.cuda.mem_get_info(device)
-        budget = utilization * total - (total - free) - peak
-        most = 2 * max_num_seqs * triton.cdiv(max_model_len, block_size)
-        blocks = min(int(budget // (per_token * block_size)), most)
-        if blocks < triton.cdiv(max_model_len, block_size):
-            raise ValueError(f"gpu_memory_utilization {utilization} leaves room for "
-                             f"{max(blocks, 0)} KV blocks, fewer than one sequence of "
-                             f"max_model_len {max_model_len} needs: raise it, or lower "
-                             f"max_model_len")
-    print(f"KV cache: {blocks:,} blocks of {block_size} tokens = {blocks * block_size:,} tokens, "
-          f"{blocks * block_size * per_token / 2**30:.2f} GiB")
-    return blocks
-
-
-@torch.inference_mode()
-def profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens):
-    """Bytes a step's activations take at their peak, beyond what is allocated now: a prefill of
-    max_num_batched_tokens tokens (one sequence) that samples max_num_seqs rows, over a cache of
-    just its own blocks (not counted)."""
-    fuse_projections(model)
-    cfg, device = model.cfg, _device_of(model)
-    dtype = model.model.embed_tokens.weight.dtype
-    N = max_num_batched_tokens
-    blocks = triton.cdiv(N, block_size)
-    shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
-    meta = AttentionMetadata(
-        slots=torch.arange(N, device=device),
-        lengths=torch.tensor([N], device=device, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, N], device=device, dtype=torch.int32),
-        block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
-        max_q_len=N, max_len=blocks * block_size,
-        sample_rows=torch.arange(N - min(N, max_num_seqs), N, device=device))
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    attention = triton_attention if model.kernels else torch_attention
-    logits = forward_packed(model, torch.zeros(N, dtype=torch.int64, device=device),
-                            torch.arange(N, device=device), kv, meta, attention)
-    Sampler()(logits, SamplingBatch([SamplingParams(temperature=1.0, top_p=0.9)] * logits.shape[0],
-                                    [[0]] * logits.shape[0], cfg.vocab_size, device))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del kv, logits
-    torch.cuda.empty_cache()
-    return peak
-
-
 def grammar_vocab(tokenizer, vocab_size):
     """Each of the model's vocab_size ids as the bytes it writes, for structured output's masks,
     or None where it writes none: special tokens (decode skips them, so their bytes would never
@@ -5235,6 +5115,126 @@ def grammar_vocab(tokenizer, vocab_size):
     vocab = [None if i in tokenizer.special_ids or not data else data
              for i, data in enumerate(table)]
     return vocab + [None] * (vocab_size - len(vocab))
+
+
+# The bench (on a GPU): the kernel's GB/s against the copy bandwidth measured in the same run,
+# and its time against torch's scaled_dot_product_attention on the same cache.
+
+_BENCH_BYTES = 256 * 2**20  # bytes per input tensor of the bandwidth benchmarks: far past the 50 MB L2
+
+
+def _ms(fn):
+    """Median milliseconds of fn() on the GPU; the first call (compiling, autotuning) is not timed."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _bench_copy_gbs():
+    x = torch.randn(_BENCH_BYTES, device="cuda", dtype=torch.float32)  # 1 GiB
+    y = torch.empty_like(x)
+    gbs = 2 * x.nbytes / _ms(lambda: y.copy_(x)) / 1e6
+    print(f"device-to-device copy: {gbs:,.0f} GB/s (bytes read + written); the bandwidth kernels' limit")
+    return gbs
+
+
+def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_dim=128,
+                           splits=(None, 1, 2, 4, 8)):
+    """Decode attention alone, bf16, every row `context` keys long (Qwen3-8B's heads by
+    default): GB/s of the cache read (K and V; q and the output are 1/context of it) against the
+    copy bandwidth, and speed against torch's SDPA, for the split rule's count and forced ones.
+    Returns {splits: fraction of copy bandwidth}, or None without a GPU."""
+    if device.type != "cuda":
+        print("decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not "
+              "speed); skipped")
+        return None
+    (Hq, Hkv), D = heads, head_dim
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+               for shape in ((batch, Hq, D), (batch, Hkv, context, D), (batch, Hkv, context, D)))
+    lengths = torch.full((batch,), context, device=device, dtype=torch.int32)
+    copy_gbs = _bench_copy_gbs()
+    sdpa = functools.partial(F.scaled_dot_product_attention, q[:, :, None], k, v, enable_gqa=True)
+    expected = sdpa()[:, :, 0].float()  # (B, Hq, D)
+    err = ((decode_attention(q, k, v, lengths).float() - expected).norm() / expected.norm()).item()
+    sdpa_ms = _ms(sdpa)
+    print(f"decode attention, batch {batch}, context {context:,}, GQA {Hq}/{Hkv}, D={D}, bf16 "
+          f"({(k.nbytes + v.nbytes) / 2**20:,.0f} MiB of cache; against SDPA: rel err {err:.1e}; "
+          f"SDPA {sdpa_ms * 1e3:,.1f} µs; target 80% of copy)")
+    fractions = {}
+    for n in splits:
+        ms = _ms(lambda n=n: decode_attention(q, k, v, lengths, num_splits=n))
+        gbs = (k.nbytes + v.nbytes) / ms / 1e6
+        fractions[n] = gbs / copy_gbs
+        label = f"rule ({decode_splits(batch, Hkv, context, _num_sms(device))})" if n is None else n
+        print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = "
+              f"{gbs / copy_gbs:4.0%} of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
+    return fractions
+
+
+def _paged_copy(k, v, lengths, block_size, gen):
+    """Contiguous caches k, v (B, Hkv, S, D) copied into pools (num_blocks, block_size, Hkv, D)
+    of just the pages the rows' lengths need, handed out in a random order: -> k_cache,
+    v_cache, block_tables (B, cdiv(S, block_size)) int32 (entries past a row's pages 0)."""
+    B, Hkv, S, D = k.shape
+    max_blocks = triton.cdiv(S, block_size)
+    pages_of = (lengths.long() + block_size - 1) // block_size  # (B,)
+    used = torch.arange(max_blocks, device=k.device)[None] < pages_of[:, None]  # (B, max_blocks)
+    n = int(used.sum())
+    tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=k.device)
+    tables[used] = torch.randperm(n, device=k.device, generator=gen).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pages = F.pad(x, (0, 0, 0, max_blocks * block_size - S))  # (B, Hkv, max_blocks * bs, D)
+        pages = pages.view(B, Hkv, max_blocks, block_size, D).permute(0, 2, 3, 1, 4)
+        pool = x.new_empty(n, block_size, Hkv, D)
+        pool[tables[used].long()] = pages[used]  # pages[used]: (n, block_size, Hkv, D)
+        pools.append(pool)
+    return pools[0], pools[1], tables
+
+
+def bench_paged_decode(device, batch=256, heads=(16, 8), head_dim=128, block_size=16):
+    """Paged decode attention, bf16, pages of block_size keys in a random order in the pool:
+    (a) `batch` rows of mixed lengths, uniform in 100..2,048, GQA `heads`; (b) 64 rows of 4,096
+    keys, GQA 32/8 and 16/8. Each: GB/s of the cache read (each row's keys and values) against
+    the copy bandwidth, and speed against decode_attention on the same cache laid out
+    contiguously (target: 0.9x its speed or better), after checking the two agree. Returns
+    {case: {"rel_err", "paged_of_copy", "contiguous_of_copy", "speed"}}, or None without a
+    GPU."""
+    if device.type != "cuda":
+        print("paged decode bench: needs a CUDA GPU (the interpreter shows correctness, not "
+              "speed); skipped")
+        return None
+    D = head_dim
+    gen = torch.Generator(device).manual_seed(0)
+    copy_gbs = _bench_copy_gbs()
+    mixed = torch.randint(100, 2049, (batch,), device=device, generator=gen, dtype=torch.int32)
+    cases = {f"mixed 100..2,048, batch {batch}, GQA {heads[0]}/{heads[1]}": (mixed, heads)}
+    for Hq, Hkv in ((32, 8), (16, 8)):
+        full = torch.full((64,), 4096, device=device, dtype=torch.int32)
+        cases[f"4,096 keys, batch 64, GQA {Hq}/{Hkv}"] = (full, (Hq, Hkv))
+    print(f"paged decode attention, bf16, D={D}, pages of {block_size} keys in a random order "
+          f"(target: 80% of copy, 0.9x decode_attention's speed)")
+    results = {}
+    for label, (lengths, (Hq, Hkv)) in cases.items():
+        B, S = lengths.shape[0], int(lengths.max())
+        q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+                   for shape in ((B, Hq, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+        k_cache, v_cache, tables = _paged_copy(k, v, lengths, block_size, gen)
+        paged = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lengths, S)
+        contiguous = functools.partial(decode_attention, q, k, v, lengths, S)
+        expected = contiguous().float()
+        err = ((paged().float() - expected).norm() / expected.norm()).item()
+        read = int(lengths.sum()) * Hkv * D * k.element_size() * 2  # bytes of K and V read
+        paged_ms, contiguous_ms = _ms(paged), _ms(contiguous)
+        of_copy = [read / ms / 1e6 / copy_gbs for ms in (paged_ms, contiguous_ms)]
+        results[label] = dict(rel_err=err, paged_of_copy=of_copy[0], contiguous_of_copy=of_copy[1],
+                              speed=contiguous_ms / paged_ms)
+        print(f"  {label} ({read / 2**20:,.0f} MiB read; against decode_attention: rel err "
+              f"{err:.1e}): {paged_ms * 1e3:8.1f} µs = {of_copy[0]:4.0%} of copy; contiguous "
+              f"{contiguous_ms * 1e3:8.1f} µs = {of_copy[1]:4.0%}; "
+              f"{contiguous_ms / paged_ms:4.2f}x its speed")
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
