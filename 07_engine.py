@@ -99,9 +99,11 @@ continuous batching step by step (each step's sequences and tokens, preemptions)
 import argparse
 import base64
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import math
 import numbers
 import os
@@ -145,6 +147,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRET = tl.constexpr(INTERPRET)  # kernels can read module globals only when they are constexpr
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels take
+LOG = logging.getLogger(Path(__file__).stem)  # the library logs; main() prints
 # The kernels' input checks (_check_tensor) and the interpreter patch are plumbing, at the end.
 
 
@@ -2738,15 +2741,16 @@ class DecodeGraphs:
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 16. The engine
+# Chapter 24. The engine, part by part: a request (Sequence)
 # ----------------------------------------------------------------------------------------------
-# Requests flow one way through small parts (see ENGINE.md): a prompt becomes a Sequence, the
-# Scheduler picks the sequences of the next step and how many tokens each runs, the BlockManager
-# hands out the blocks of the KV cache they need, the ModelRunner packs them into one forward
-# pass and samples, each Sequence takes its new tokens, and the requests that advanced come back
-# as RequestOutputs. The model never sees a Sequence and the scheduler never sees a tensor.
-# LLMEngine.step is the loop's body; LLM.generate runs it until every request is done, and stage
-# 08's server calls it from its own loop.
+# Engine v1 runs one static batch to its end. The engine from here on serves requests as they
+# come, through small parts with vLLM's names (ENGINE.md), one way: a prompt becomes a Sequence,
+# the Scheduler picks the sequences of the next step and how many tokens each runs, the
+# BlockManager hands out the blocks of the paged KV cache they need, the ModelRunner packs them
+# into one forward pass and the Sampler picks their tokens, each Sequence takes its new tokens,
+# and the requests that advanced come back as RequestOutputs. The model never sees a Sequence and
+# the scheduler never sees a tensor. LLMEngine.step is the loop's body; LLM.generate runs it
+# until every request is done, and stage 08's server calls it from its own loop.
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -2814,8 +2818,25 @@ class Sequence:
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
         if self.grammar is not None:
-            self.grammar_state = self.grammar.advance(self.grammar_state, token)
+            self.grammar_state = self.grammar.next_state(self.grammar_state, token)
             assert self.grammar_state != DEAD, f"token {token} was sampled against its mask"
+
+    def step_tokens(self, budget):
+        """How many tokens the next step runs for this sequence, at most `budget`: those whose
+        keys are not in the cache yet, then its draft tokens (speculative decoding), the drafts
+        cut to what the budget leaves."""
+        needed = self.num_tokens - self.num_computed_tokens
+        self.draft_tokens = self.draft_tokens[:max(0, budget - needed)]
+        return min(needed + len(self.draft_tokens), budget)
+
+    def settle_drafts(self, num_new):
+        """A step verified this sequence's drafts and gave it num_new tokens: num_new - 1 drafts
+        accepted. The rejected drafts' positions are computed again later, and the draft model's
+        cache past here holds drafts that were not accepted."""
+        if self.draft_tokens:
+            self.num_computed_tokens -= len(self.draft_tokens) - (num_new - 1)
+            self.draft_tokens, self.draft_probs = [], None
+        self.num_draft_computed = min(self.num_draft_computed, self.num_computed_tokens)
 
 
 @dataclass
@@ -2988,7 +3009,7 @@ class BlockManager:
                 self.free_blocks.append(block)
         table.clear()
 
-    def check(self, tables):
+    def verify(self, tables):
         """Assert the invariants, given the block table of every live sequence."""
         held = Counter()
         for table in tables:
@@ -3047,10 +3068,10 @@ class Scheduler:
         self.running = []  # in the order of admission: the last one is preempted first
         self.num_preemptions = 0
 
-    def add(self, seq):
+    def enqueue(self, seq):
         self.waiting.append(seq)
 
-    def has_unfinished(self):
+    def has_work(self):
         return bool(self.waiting or self.running)
 
     def schedule(self):
@@ -3063,11 +3084,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
                 continue  # preempted in this loop, or its last token is on its way
-            needed = seq.num_tokens - seq.num_computed_tokens
-            n = needed + len(seq.draft_tokens)
-            if n > budget:
-                n = budget
-                seq.draft_tokens = seq.draft_tokens[:max(0, n - needed)]
+            n = seq.step_tokens(budget)
             while (seq.num_computed_tokens + n > len(seq.block_table) * self.block_size
                    and not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)):
                 preempted = True
@@ -3111,19 +3128,14 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
-    def postprocess(self, seqs, tokens, logprobs):
-        """Give each sequence its new tokens (a list each), register the blocks they filled for
-        prefix caching, and finish the sequences they end. Returns the sequences that advanced."""
-        advanced = []
+    def update(self, seqs, tokens, logprobs):
+        """Give each sequence its new tokens (a list each) and find the ones they end. Returns
+        the sequences that advanced, and [(sequence, finish reason)] of those to finish once the
+        step's blocks are registered (LLMEngine._hand_over)."""
+        advanced, ended = [], []
         for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
             seq.num_pending -= 1
-            if seq.draft_tokens:  # the rejected drafts' positions are computed again later
-                k, accepted = len(seq.draft_tokens), len(new) - 1
-                seq.num_computed_tokens -= k - accepted
-                seq.draft_tokens, seq.draft_probs = [], None
-            # the draft model's cache past here holds drafts this step did not accept, or that
-            # the budget cut before they were verified (all of them, even)
-            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            seq.settle_drafts(len(new))
             if seq.is_finished:  # ended (by eos, or aborted) while this step ran
                 continue
             for token, token_logprobs in zip(new, new_logprobs):
@@ -3132,25 +3144,17 @@ class Scheduler:
                 if reason is not None:
                     if reason == "stop" and not self._grammar_finished(seq):
                         seq.stop_token_id = token
-                    self._cache_last_blocks(seq)
-                    self.finish(seq, reason)
+                    ended.append((seq, reason))
                     break
             advanced.append(seq)
-        return advanced
-
-    def _cache_last_blocks(self, seq):
-        """Register the blocks filled by the step that ends seq, before finish frees them:
-        register_computed comes after postprocess and skips finished sequences, so a prompt
-        whose request ends at its first token would never be found by the next one."""
-        blocks, table = self.block_manager, seq.block_table
-        first = next((i for i, block in enumerate(table) if blocks.hashes[block] is None), len(table))
-        end = seq.num_computed_tokens  # (rejected drafts were taken off above)
-        blocks.cache_full_blocks(table, seq.token_ids, min(first * self.block_size, end), end)
+        return advanced, ended
 
     def register_computed(self, spans):
-        """Blocks that a step filled become reusable by later prompts (prefix caching). spans:
-        [(sequence, start, end)], the positions the step computed; their tokens are all known by
-        now. A sequence preempted since then has lost those blocks."""
+        """Blocks that a step filled become reusable by later prompts (prefix caching): the one
+        place where they are named. spans: [(sequence, start, end)], the positions the step
+        computed; their tokens are all known by now. A sequence preempted since then has lost
+        those blocks; one that the step ends is finished only after this, so that the next
+        request with the same prompt finds them."""
         bs = self.block_size
         for seq, start, end in spans:
             end = min(end, seq.num_computed_tokens)  # (rejected drafts are not computed)
@@ -3171,19 +3175,26 @@ class Scheduler:
 
     @staticmethod
     def _grammar_finished(seq):
-        return seq.grammar is not None and seq.grammar.is_finished(seq.grammar_state)
+        return seq.grammar is not None and seq.grammar.is_complete(seq.grammar_state)
 
 
 class StepHandle:
     """A launched step: the positions it computed, and the tokens it sampled on their way to the
-    host."""
+    host, which wait() waits for (once: a second call returns the same lists)."""
 
-    def __init__(self, spans, seqs, tokens, read):
+    def __init__(self, spans, seqs, tokens, copied):
         self.spans = spans  # [(sequence, start, end)]: the positions computed, as scheduled
         self.seqs = seqs  # the sequences that sampled
         self.rows = {seq: row for row, seq in enumerate(seqs)}  # a sequence's row in tokens
+        self.num_drafts = [len(seq.draft_tokens) for seq in seqs]  # drafts each one verifies
         self.tokens = tokens  # (S,) on the device: one token a sequence (no speculation)
-        self.read = read  # () -> (new tokens, logprobs): a list per sequence, waiting for them
+        self._copied, self._tokens = copied, None
+
+    def wait(self):
+        """(new tokens, logprobs): a list of each per sequence."""
+        if self._tokens is None:
+            self._tokens = self._copied()
+        return self._tokens
 
 
 class ModelRunner:
@@ -3239,7 +3250,7 @@ class ModelRunner:
                 entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table,
                                 samples))
             spans.append((seq, start, end))
-        logits = self.forward(entries, previous.tokens if previous is not None else None)
+        logits = self.run(entries, previous.tokens if previous is not None else None)
         plain = [seq for seq in seqs if not seq.draft_tokens]
         tokens = logprobs = None
         if plain:
@@ -3280,7 +3291,7 @@ class ModelRunner:
                              rows=[s.sampling_row for s in seqs])
 
     @torch.inference_mode()
-    def forward(self, entries, previous_tokens=None):
+    def run(self, entries, previous_tokens=None):
         """One packed forward pass. entries: [(ids, from_previous, start, block_table, samples)]:
         a sequence's new token ids (a list) at positions start.., the last one taken on the
         device from previous_tokens[from_previous] when that is not None; `samples`: how many
@@ -3664,34 +3675,28 @@ class Sampler:
 
 class LLMEngine:
     """Requests in, one step at a time, outputs out: add_request, step, abort. Stage 08's server
-    drives these from its engine thread.
+    drives these from its engine thread. A step is plain_step, or overlapped_step under async
+    scheduling; speculative decoding enters the plain step in one place (Speculator.after_step).
 
-    With async_scheduling, a step is launched before the previous step's tokens reach the host:
-    step() schedules and launches step n + 1, then reads step n's tokens, so that the host's
-    work (scheduling, the inputs, the outputs) runs while the GPU computes. A sequence's next
-    input is then read on the device from step n's tokens, and a sequence that step n ends by an
-    eos runs one step more, whose token nobody reads. Steps that need every token on the host
-    first (structured output's masks, penalties, speculative decoding) run one at a time."""
+    config: the EngineConfig (max_model_len resolved against the model); speculator: a
+    Speculator, or None."""
 
-    def __init__(self, runner, block_manager, *, eos_token_ids, max_model_len, max_num_seqs,
-                 max_num_batched_tokens, tokenizer=None, async_scheduling=True, speculative=None,
-                 debug=False):
-        self.runner, self.block_manager = runner, block_manager
-        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids)
+    def __init__(self, runner, block_manager, config, *, eos_token_ids, tokenizer=None,
+                 speculator=None):
+        self.runner, self.block_manager, self.config = runner, block_manager, config
+        self.scheduler = Scheduler(block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len, self.tokenizer = max_model_len, tokenizer
-        self.async_scheduling, self.debug = async_scheduling, debug
-        # speculative decoding: (proposer, tokens to propose, mean accepted below which a
-        # sequence stops proposing), or None
-        self.proposer, self.num_speculative, self.min_accepted = speculative or (None, 0, 0.0)
+        self.max_model_len, self.tokenizer = config.max_model_len, tokenizer
+        self.speculator = speculator
         self.grammars = None  # the GrammarCache, built at the first structured request
         self.requests = {}  # request_id -> Sequence, until it ends
-        self.num_needing_tokens = 0  # of them, under structured output or penalties
-        self.in_flight = None  # the StepHandle launched and not read yet
+        self.aborted = []  # sequences aborted since the last step: it reports them
+        self.num_needing_tokens = 0  # of the requests, those under structured output or penalties
+        self.in_flight = None  # the StepHandle that overlapped_step launched and did not read
         self.last_batch = []  # [(sequence, its new tokens)] of the last step scheduled
         self.counts = Counter()  # steps, those overlapped; sequences verified, drafts, accepted
-        self.num_advances = 0  # the clock of speculation's probes
+        self.num_steps = 0  # calls of step(): the clock of speculation's probes
 
     def add_request(self, request_id, prompt, params=None):
         """Queue a request: prompt a string (with a tokenizer) or a list of token ids; params a
@@ -3717,15 +3722,126 @@ class LLMEngine:
     def add_sequence(self, seq):
         self.requests[seq.request_id] = seq
         self.num_needing_tokens += seq.needs_tokens
-        self.scheduler.add(seq)
+        self.scheduler.enqueue(seq)
+
+    def abort(self, request_id):
+        """End a request wherever it is (waiting, being prefilled or decoding); its blocks are
+        freed at once, and the next step reports it (finish_reason "abort"). An unknown or
+        finished id is ignored (it may have just finished)."""
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self._forget(seq)
+            self.aborted.append(seq)
 
     def reset(self):
         """Abort every request, and wait for the step in flight."""
         for request_id in list(self.requests):
             self.abort(request_id)
         if self.in_flight is not None:
-            self.in_flight.read()
+            self.in_flight.wait()
             self.in_flight = None
+        self.aborted.clear()
+
+    def has_unfinished(self):
+        return self.scheduler.has_work() or self.in_flight is not None or bool(self.aborted)
+
+    @property
+    def num_unfinished(self):
+        return len(self.requests)
+
+    # -- the step
+
+    def step(self):
+        """One turn of the loop: a RequestOutput for every request that advanced, and for each
+        one aborted since the last step."""
+        return [self.output(seq) for seq in self.step_sequences()]
+
+    def step_sequences(self):
+        """step() without building its outputs (each a copy of a request's tokens so far): the
+        sequences that advanced or were aborted. A step overlaps the next one unless its tokens
+        are needed on the host before the next can start (_needs_tokens)."""
+        self.num_steps += 1
+        aborted, self.aborted = self.aborted, []
+        overlap = self.config.async_scheduling and not self._needs_tokens()
+        self.counts["overlapped"] += overlap
+        advanced = self.overlapped_step() if overlap else self.plain_step()
+        if self.config.debug:
+            self.check()
+        return aborted + advanced
+
+    def plain_step(self):
+        """Schedule, run the model and sample, wait for the tokens and hand them over: the
+        algorithm as it reads. Then speculative decoding checks the drafts this step verified
+        and proposes the next step's."""
+        advanced = self._hand_over(self.in_flight)  # (left by an overlapped step, if any)
+        self.in_flight = None
+        handle = self._launch(self._schedule())
+        advanced += self._hand_over(handle)
+        if self.speculator is not None:
+            self.speculator.after_step(handle, self, self.num_steps)
+        return advanced
+
+    def overlapped_step(self):
+        """Async scheduling: launch step n + 1 while step n runs, each sequence's last token read
+        on the device from step n's output, then read step n's tokens, so that the host's work
+        (scheduling, the inputs, the outputs) runs while the GPU computes. A sequence that step
+        n ends runs one step more, whose token nobody reads."""
+        previous = self.in_flight
+        self.in_flight = self._launch(self._schedule(previous), previous)
+        return self._hand_over(previous)
+
+    def _schedule(self, in_flight=None):
+        """The next batch. An empty one while no step is in flight and requests remain could
+        never change anything: an engine bug, reported rather than looped on forever."""
+        batch = self.last_batch = self.scheduler.schedule()
+        if not batch and in_flight is None and self.scheduler.has_work():
+            stuck = [seq.request_id for seq in [*self.scheduler.running, *self.scheduler.waiting]]
+            raise RuntimeError(
+                f"the engine is stuck: {len(stuck)} requests ({', '.join(map(repr, stuck[:8]))}"
+                f"{', ...' if len(stuck) > 8 else ''}) can be neither scheduled nor finished, "
+                f"with {self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} "
+                f"KV blocks free")
+        return batch
+
+    def _launch(self, batch, previous=None):
+        """Queue a scheduled batch on the device (None for an empty one); each sequence that
+        samples has a token on its way."""
+        if not batch:
+            return None
+        handle = self.runner.launch(batch, previous)
+        for seq in handle.seqs:
+            seq.num_pending += 1
+        return handle
+
+    def _hand_over(self, handle):
+        """Wait for a launched step's tokens and hand them over: each sequence takes its new
+        tokens, the blocks the step filled become findable (prefix caching), and the sequences
+        that ended are finished, their blocks freed."""
+        if handle is None:
+            return []
+        tokens, logprobs = handle.wait()
+        self.counts["steps"] += 1
+        advanced, ended = self.scheduler.update(handle.seqs, tokens, logprobs)
+        self.scheduler.register_computed(handle.spans)
+        for seq, reason in ended:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq)
+        return advanced
+
+    def _forget(self, seq):
+        if self.requests.pop(seq.request_id, None) is not None:
+            self.num_needing_tokens -= seq.needs_tokens
+
+    def _needs_tokens(self):
+        """Whether this step needs the last step's tokens on the host before it starts: for
+        structured output's masks or penalties, or for speculation (to verify drafts, or to
+        propose after it)."""
+        return self.num_needing_tokens > 0 or (
+            self.speculator is not None
+            and self.speculator.needs_tokens(self.scheduler.running, self.num_steps))
+
+    # -- a request's checks
 
     def _prompt_ids(self, request_id, prompt):
         """The prompt as a list of token ids, checked against the vocabulary."""
@@ -3789,111 +3905,12 @@ class LLMEngine:
             self.grammars = GrammarCache(vocab, self.eos_token_ids, self.runner.device)
         masker = self.grammars.get(regex=params.regex, choice=params.choice,
                                    json_schema=params.json_schema)
-        if masker.is_finished(masker.start):
+        if masker.is_complete(masker.start):
             raise ValueError(f"the structured output of prompt {i!r} allows only the empty text: "
                              f"there is nothing to generate")
         return masker
 
-    def abort(self, request_id):
-        """End a request wherever it is (waiting, being prefilled or decoding); its blocks are
-        freed at once. An unknown or finished id is ignored (it may have just finished)."""
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self.num_needing_tokens -= seq.needs_tokens
-            self.scheduler.finish(seq, "abort")
-
-    def has_unfinished(self):
-        return self.scheduler.has_unfinished() or self.in_flight is not None
-
-    @property
-    def num_unfinished(self):
-        return len(self.requests)
-
-    def step(self):
-        """One turn of the loop: schedule, launch, and read back (under async scheduling, the
-        previous step's tokens): returns a RequestOutput for every request that advanced."""
-        return [self.output(seq) for seq in self.advance()]
-
-    def advance(self):
-        """step() without building its outputs (each a copy of a request's tokens so far):
-        returns the sequences that advanced."""
-        self.num_advances += 1
-        overlap = self.async_scheduling and not self._needs_tokens()
-        self.counts["overlapped"] += overlap
-        advanced = [] if overlap else self._read(self.in_flight)  # (no step in flight then)
-        batch = self.last_batch = self.scheduler.schedule()
-        previous, self.in_flight = self.in_flight, None
-        if batch:
-            self.in_flight = self.runner.launch(batch, previous)
-            for seq in self.in_flight.seqs:
-                seq.num_pending += 1
-        advanced += self._read(previous) if overlap else self._read(self.in_flight)
-        if not overlap:
-            self.in_flight = None
-            if self.proposer is not None:
-                self._propose()
-        if self.debug:
-            self.check()
-        return advanced
-
-    def _read(self, handle):
-        """Wait for a launched step's tokens and hand them to its sequences."""
-        if handle is None:
-            return []
-        tokens, logprobs = handle.read()  # a list of new tokens (and of logprobs) a sequence
-        self.counts["steps"] += 1
-        for seq, new in zip(handle.seqs, tokens):
-            if seq.draft_tokens:
-                self.counts["verified"] += 1
-                self.counts["drafted"] += len(seq.draft_tokens)
-                self.counts["accepted"] += len(new) - 1
-                seq.mean_accepted = (0.7 * min(seq.mean_accepted, self.num_speculative)
-                                     + 0.3 * (len(new) - 1))
-        advanced = self.scheduler.postprocess(handle.seqs, tokens, logprobs)
-        self.scheduler.register_computed(handle.spans)
-        for seq in advanced:
-            if seq.is_finished and self.requests.pop(seq.request_id, None) is not None:
-                self.num_needing_tokens -= seq.needs_tokens
-        return advanced
-
-    def _needs_tokens(self):
-        """Whether this step needs the last step's tokens on the host before it starts: for
-        structured output or penalties, to verify drafts, or to propose after it."""
-        return self.num_needing_tokens > 0 or self.proposer is not None and bool(
-            any(seq.draft_tokens for seq in self.scheduler.running) or self._speculating())
-
-    def _speculating(self):
-        """The sequences that propose drafts after this step. Not those under structured output,
-        penalties or logprobs (the verification samples without them), nor those whose mean
-        accepted drafts a step is below min_accepted, where verifying costs more than it saves;
-        all of them probe together every SPEC_PROBE_STEPS steps, to measure anew. And none
-        unless their gains together pay for the wait that speculation puts on the whole batch:
-        a step that proposes cannot overlap the next one (SPEC_SYNC_COST). min_accepted = 0:
-        every sequence that can speculates, always."""
-        running = self.scheduler.running
-        probe = self.num_advances % SPEC_PROBE_STEPS == 0
-        seqs = [seq for seq in running if seq.grammar is None and not seq.params.has_penalties
-                and seq.params.logprobs is None
-                and (probe or seq.mean_accepted >= self.min_accepted)]
-        gain = sum(min(seq.mean_accepted, self.num_speculative) - self.min_accepted for seq in seqs)
-        always = probe or self.min_accepted == 0
-        return seqs if always or gain >= SPEC_SYNC_COST * len(running) else []
-
-    def _propose(self):
-        """Draft tokens for the next step of every decoding sequence that speculates."""
-        seqs, ks = [], []
-        for seq in self._speculating():
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
-                continue  # (still holding drafts: it sat this step out, and they wait for the next)
-            k = min(self.num_speculative, seq.max_tokens - seq.num_output_tokens - 1)
-            if k >= 1 and self.block_manager.grow(seq.block_table, seq.num_tokens + k):
-                seqs.append(seq)
-                ks.append(k)
-        if seqs:
-            self.proposer.propose(seqs, ks)
-        for seq in seqs:
-            if not seq.draft_tokens:  # nothing to propose: speculation gained nothing this step
-                seq.mean_accepted = 0.7 * min(seq.mean_accepted, self.num_speculative)
+    # -- what it reports
 
     @property
     def stats(self):
@@ -3913,7 +3930,7 @@ class LLMEngine:
         assert len(queued) == len(set(map(id, queued))), "a sequence is in two queues"
         assert all(s.status is SequenceStatus.WAITING for s in self.scheduler.waiting)
         assert all(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
-        self.block_manager.check([seq.block_table for seq in queued])
+        self.block_manager.verify([seq.block_table for seq in queued])
 
     def output(self, seq):
         """The RequestOutput of a sequence as it stands."""
@@ -3926,9 +3943,75 @@ class LLMEngine:
                              None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
 
 
+@dataclass
+class EngineConfig:
+    """The engine's knobs, with vLLM's names, checked once, here: a bad value is an error naming
+    the knob. LLM(model, **knobs) builds one."""
+    max_model_len: int | None = None  # the longest prompt + output; None: the model's context
+    max_num_seqs: int = 256  # sequences in one step at most
+    max_num_batched_tokens: int = 8192  # tokens in one step at most (a long prompt goes in chunks)
+    block_size: int = 16  # tokens a KV block holds
+    num_kv_blocks: int | None = None  # the KV pool; None: as kv_blocks_for_memory sizes it
+    gpu_memory_utilization: float = 0.9  # of the GPU's memory: the weights, a step, the pool
+    enable_prefix_caching: bool = True
+    speculative: dict | None = None  # speculative decoding, as make_speculator reads it:
+    #   {"method": "ngram"} (prompt lookup) or {"method": "draft", "model": a smaller Qwen3, a
+    #   directory or a Hub id}, with "num_tokens" k (default 4), "min_accepted" (0: always on)
+    enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # launch each step before the last one's tokens reach the
+    #                                host (SGLang's overlap scheduler): the same outputs
+    debug: bool = False  # check the engine's invariants after every step
+
+    def __post_init__(self):
+        def need(ok, name, what):
+            if not ok:
+                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} {what}")
+
+        need(self.max_model_len is None or _is_int(self.max_model_len) and self.max_model_len >= 2,
+             "max_model_len", "must be an int >= 2, or None for the model's context")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
+                 "must be a positive int")
+        need(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two "
+             "(the attention kernels split a position into block and offset with a shift)")
+        need(self.num_kv_blocks is None or _is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1,
+             "num_kv_blocks", "must be a positive int or None")
+        need(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+             "gpu_memory_utilization", "must be in (0, 1]")
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "debug"):
+            need(isinstance(getattr(self, name), bool), name, "must be True or False")
+        if self.speculative is not None:
+            _check_speculative(self.speculative)
+
+
+def _check_speculative(spec):
+    if not isinstance(spec, dict):
+        raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': "
+                        f"4}}, not {type(spec).__name__}")
+    known = {"method", "num_tokens", "model", "max_n", "min_accepted"}
+    if set(spec) - known:
+        raise ValueError(f"speculative: unknown keys {sorted(set(spec) - known)}; known: "
+                         f"{sorted(known)}")
+    method, k = spec.get("method"), spec.get("num_tokens", 4)
+    min_accepted, max_n = spec.get("min_accepted", 0), spec.get("max_n", 4)
+    if method not in ("ngram", "draft"):
+        raise ValueError(f"speculative: method = {method!r} must be 'ngram' or 'draft'")
+    if not _is_int(k) or not 1 <= k <= 16:
+        raise ValueError(f"speculative: num_tokens = {k!r} must be an int from 1 to 16")
+    if not _is_number(min_accepted) or min_accepted < 0:
+        raise ValueError(f"speculative: min_accepted = {min_accepted!r} must be a number >= 0")
+    if method == "ngram" and "model" in spec:
+        raise ValueError("speculative: n-gram lookup takes no model")
+    if method == "ngram" and (not _is_int(max_n) or max_n < 1):
+        raise ValueError(f"speculative: max_n = {max_n!r} must be a positive int")
+    if method == "draft" and not isinstance(spec.get("model"), (Qwen3, str, os.PathLike)):
+        raise ValueError("speculative: 'draft' needs a model: a Qwen3, a directory or a Hub id")
+
+
 class LLM:
-    """The entry point: LLM(model).generate(prompts, sampling_params), one RequestOutput per
-    prompt, in the prompts' order; llm.engine is the LLMEngine, for requests one at a time.
+    """The entry point: LLM(model, **knobs).generate(prompts, sampling_params), one
+    RequestOutput per prompt, in the prompts' order; llm.engine is the LLMEngine, for requests
+    one at a time.
 
     model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
     built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
@@ -3936,24 +4019,15 @@ class LLM:
     weights. Without one (a built Qwen3, or a directory with no tokenizer.json) prompts are token
     ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
     the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
-    device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
-    limit: the model's max_position_embeddings).
-    The engine's knobs (vLLM's names): block_size, tokens a KV block holds; num_kv_blocks, the
-    pool's size, fixed (default: on a GPU what gpu_memory_utilization of its memory leaves after
-    the weights and a profiled step, on a CPU room for max_num_seqs sequences of max_model_len
-    tokens, at most 1 GiB); max_num_seqs and max_num_batched_tokens, the budgets of a step;
-    enable_prefix_caching; speculative: speculative decoding, {"method": "ngram"} (prompt lookup)
-    or {"method": "draft", "model": a smaller Qwen3, directory or Hub id}, with "num_tokens" k
-    (default 4) and "min_accepted" (see LLMEngine._speculating; 0: always on); enforce_eager:
-    no CUDA graphs; async_scheduling: each step launched before the previous one's tokens reach
-    the host (on by default, as SGLang's overlap scheduler; the outputs are the same); debug:
-    check the engine's invariants after every step.
+    device, dtype: as load_qwen3's. knobs: EngineConfig's fields.
     """
 
-    def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
-                 block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_seqs=256,
-                 max_num_batched_tokens=8192, enable_prefix_caching=True, speculative=None,
-                 enforce_eager=False, async_scheduling=True, debug=False, data_dir=None):
+    def __init__(self, model, *, tokenizer=None, device=None, dtype=None, data_dir=None, **knobs):
+        unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"LLM: unknown knob {unknown[0]!r}; the knobs are EngineConfig's: "
+                            f"{', '.join(f.name for f in dataclasses.fields(EngineConfig))}")
+        config = EngineConfig(**knobs)  # every knob checked before anything loads
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
                             f"{type(tokenizer).__name__}")
@@ -3974,35 +4048,31 @@ class LLM:
             eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
         self.tokenizer = tokenizer
         limit = self.model.cfg.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len = {max_model_len!r} must be an int from 2 to the "
-                             f"model's max_position_embeddings, {limit}")
-        _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
-                     max_num_batched_tokens,
-                     dict(enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                          async_scheduling=async_scheduling, debug=debug))
-        draft = speculative.get("model") if isinstance(speculative, dict) else None
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len = {config.max_model_len!r} must be an int from 2 to "
+                             f"the model's max_position_embeddings, {limit}")
+        self.config = config = dataclasses.replace(config, max_model_len=config.max_model_len or limit)
+        self.max_model_len = config.max_model_len
+        speculative = config.speculative
+        draft = speculative.get("model") if speculative else None
         if isinstance(draft, (str, os.PathLike)):  # loaded before the pool is sized
-            speculative = dict(speculative)
-            draft = speculative["model"] = load_qwen3(
-                model_folder(draft, data_dir), _device_of(self.model),
-                self.model.model.embed_tokens.weight.dtype).use_kernels(self.model.kernels)
-        if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_memory(
-                [self.model] + ([draft] if isinstance(draft, Qwen3) else []), block_size,
-                self.max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization)
-        if speculative is not None:
-            speculative = make_proposer(speculative, self.model, num_kv_blocks, block_size,
-                                        self.max_model_len, enforce_eager)
-        runner = ModelRunner(self.model, num_kv_blocks, block_size, self.max_model_len,
-                             enforce_eager)
-        blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.engine = LLMEngine(runner, blocks, eos_token_ids=eos_token_ids,
-                                max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, tokenizer=tokenizer,
-                                async_scheduling=async_scheduling, speculative=speculative,
-                                debug=debug)
+            draft = load_qwen3(model_folder(draft, data_dir), _device_of(self.model),
+                               self.model.model.embed_tokens.weight.dtype)
+            speculative = {**speculative, "model": draft.use_kernels(self.model.kernels)}
+        models = [self.model] + ([draft] if isinstance(draft, Qwen3) else [])
+        num_blocks = config.num_kv_blocks or kv_blocks_for_memory(models, config)
+        self.kv_cache_bytes = num_blocks * config.block_size * kv_bytes_per_token(models)
+        LOG.info("KV cache: %s blocks of %d tokens = %s tokens, %s", f"{num_blocks:,}",
+                 config.block_size, f"{num_blocks * config.block_size:,}",
+                 memory_size(self.kv_cache_bytes))
+        speculator = speculative and make_speculator(
+            speculative, self.model, num_blocks, config.block_size, config.max_model_len,
+            config.enforce_eager)
+        runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_model_len,
+                             config.enforce_eager)
+        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.engine = LLMEngine(runner, blocks, config, eos_token_ids=eos_token_ids,
+                                tokenizer=tokenizer, speculator=speculator)
 
     def generate(self, prompts, sampling_params=None):
         """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
@@ -4017,7 +4087,7 @@ class LLM:
         for seq in seqs:
             engine.add_sequence(seq)
         while engine.has_unfinished():
-            engine.advance()
+            engine.step_sequences()
         return [engine.output(seq) for seq in seqs]
 
     @staticmethod
@@ -4044,55 +4114,41 @@ class LLM:
         raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
 
 
-def _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
-                 max_num_batched_tokens, switches):
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} = {value!r} must be a positive int")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size = {block_size} must be a power of two (the attention "
-                         f"kernels split a position into block and offset with a shift)")
-    if num_kv_blocks is not None and (not _is_int(num_kv_blocks) or num_kv_blocks < 1):
-        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} must be a positive int or None")
-    if not _is_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r} must be in (0, 1]")
-    for name, value in switches.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} = {value!r} must be True or False")
+def kv_bytes_per_token(models):
+    """Bytes of keys and values one token takes in the pool: every layer's, of the target and of
+    a draft model whose cache shares the blocks."""
+    return sum(2 * m.cfg.num_hidden_layers * m.cfg.num_key_value_heads * m.cfg.head_dim
+               * m.model.embed_tokens.weight.element_size() for m in models)
 
 
-def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
-                         utilization):
-    """The pool's size in blocks, reported. On a GPU, vLLM's rule: of utilization x the GPU's
+def kv_blocks_for_memory(models, config):
+    """The pool's size in blocks. On a GPU, vLLM's rule: of gpu_memory_utilization x the GPU's
     memory, what is left after what is in use now (the weights, the CUDA context, other
     processes) and the peak of a profiled step of max_num_batched_tokens tokens; but no more
     than max_num_seqs sequences of max_model_len tokens fill, with as much again for prefix
     caching to keep. On a CPU, room for max_num_seqs sequences of max_model_len tokens, at most
     1 GiB. models: the target, and a draft model whose cache shares the blocks."""
-    model, per_token = models[0], 0
-    for m in models:
-        cfg, dtype = m.cfg, m.model.embed_tokens.weight.dtype
-        per_token += (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                      * dtype.itemsize)
-    device = _device_of(model)
+    per_token, device = kv_bytes_per_token(models), _device_of(models[0])
+    block_size, max_len = config.block_size, config.max_model_len
     if device.type != "cuda":
-        tokens = min(max_num_seqs * max_model_len, max(max_model_len, 2**30 // per_token))
-        blocks = triton.cdiv(tokens, block_size)
-    else:
-        peak = profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
-        free, total = torch.cuda.mem_get_info(device)
-        budget = utilization * total - (total - free) - peak
-        most = 2 * max_num_seqs * triton.cdiv(max_model_len, block_size)
-        blocks = min(int(budget // (per_token * block_size)), most)
-        if blocks < triton.cdiv(max_model_len, block_size):
-            raise ValueError(f"gpu_memory_utilization {utilization} leaves room for "
-                             f"{max(blocks, 0)} KV blocks, fewer than one sequence of "
-                             f"max_model_len {max_model_len} needs: raise it, or lower "
-                             f"max_model_len")
-    print(f"KV cache: {blocks:,} blocks of {block_size} tokens = {blocks * block_size:,} tokens, "
-          f"{blocks * block_size * per_token / 2**30:.2f} GiB")
+        tokens = min(config.max_num_seqs * max_len, max(max_len, 2**30 // per_token))
+        return triton.cdiv(tokens, block_size)
+    peak = profile_step_memory(models[0], block_size, config.max_num_seqs,
+                               config.max_num_batched_tokens)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = config.gpu_memory_utilization * total - (total - free) - peak
+    most = 2 * config.max_num_seqs * triton.cdiv(max_len, block_size)
+    blocks = min(int(budget // (per_token * block_size)), most)
+    if blocks < triton.cdiv(max_len, block_size):
+        raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization} leaves room for "
+                         f"{max(blocks, 0)} KV blocks, fewer than one sequence of max_model_len "
+                         f"{max_len} needs: raise it, or lower max_model_len")
     return blocks
+
+
+def memory_size(nbytes):
+    """Bytes as GiB, or as MiB below one GiB (a tiny model's pool is not 0.00 GiB)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 @torch.inference_mode()
@@ -4228,27 +4284,33 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
     return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
 
 
-# The proposers. Each sets, for the sequences it is given, draft_tokens (at most k each) and,
-# when it has one, draft_probs: the distribution each draft token was drawn from.
-# Speculation pays while a step's accepted drafts are worth more than the verification costs.
-# A sequence whose mean accepted drafts a step falls below min_accepted stops proposing, and
-# proposes once every SPEC_PROBE_STEPS steps to measure again (LLMEngine._speculating). A verified
-# step costs more than a plain one: it waits for its tokens (no overlap with the next step) and
-# runs k + 1 rows a sequence. Measured with k = 4 on the H200 (bench_speculative), n-gram lookup
-# breaks even at about 1.2 accepted drafts a step at batch 1 and 1.4 at batch 32: hence
-# SPEC_MIN_ACCEPTED. A draft model adds its own k steps, each costing about its share of the
-# target's weights (decode reads them all): make_proposer adds k times that share.
+# The engine's side: which sequences propose, and when it stops paying. A verified step costs
+# more than a plain one: it waits for its tokens (no overlap with the next step) and runs k + 1
+# rows a sequence. So a sequence whose mean accepted drafts a step falls below min_accepted stops
+# proposing, and proposes once every SPEC_PROBE_STEPS steps to measure again; n-gram lookup with
+# k = 4 broke even at 1.2 accepted drafts a step at batch 1 and 1.4 at batch 32 (bench_speculative
+# on the H200): hence SPEC_MIN_ACCEPTED. A draft model adds its own k steps, each costing about
+# its share of the target's weights: make_speculator adds k times that share. And a step that
+# proposes holds back the whole batch, which cannot overlap its next step: speculation runs only
+# while the accepted drafts above min_accepted add up to SPEC_SYNC_COST tokens a sequence of the
+# batch (what the lost overlap cost at batch 32).
 SPEC_MIN_ACCEPTED = 1.0
 SPEC_PROBE_STEPS = 32
-# A step whose tokens the host needs before the next one starts (to propose from them) cannot
-# overlap it: at batch 32 such a step took 3.2 ms against 1.9 for an overlapped one, 0.7 of a
-# token a sequence. Speculation runs only while the speculating sequences' accepted drafts above
-# min_accepted add up to that much a sequence of the batch.
 SPEC_SYNC_COST = 0.7
 SPEC_SPLIT_CATCH_UP = 8  # a draft's catch-up of up to this many tokens runs as one-token rows
 
 
-class NgramProposer:
+class Proposer:
+    """What a proposer does: for each sequence it is given, set draft_tokens (at most its k)
+    and, when it draws them from a distribution, draft_probs (k, V), which rejection_sample
+    needs."""
+
+    def propose(self, seqs, ks):
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+
     """Prompt lookup (ngram_propose): the tokens that followed an earlier occurrence of the
     sequence's last n tokens. No model and no cache: it costs a search a sequence, and proposes nothing
     where the text has not repeated itself."""
@@ -4261,7 +4323,7 @@ class NgramProposer:
             seq.draft_tokens = ngram_propose(np.asarray(seq.token_ids), k, self.max_n)
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """A smaller model over the same vocabulary proposes k tokens a sequence, one decode step at a
     time, each drawn from its own distribution q (the argmax for a greedy request), which the
     rejection sampler needs. It runs on a ModelRunner of its own, whose cache is indexed by the
@@ -4286,7 +4348,7 @@ class DraftProposer:
                 entries.append((ids, None, start, seq.block_table, 1))
         drafts, probs, active = [[] for _ in seqs], [[] for _ in seqs], list(range(len(seqs)))
         for _ in range(max(ks)):
-            logits = runner.forward(entries, previous)  # (B, V): each active sequence's next
+            logits = runner.run(entries, previous)  # (B, V): each active sequence's next
             batch = runner.sampling_batch([seqs[i] for i in active])
             q = Sampler.probs(logits.float(), batch)  # (B, V)
             tokens = torch.where(batch.greedy, q.argmax(dim=-1), draw(q, batch.generators))
@@ -4310,34 +4372,72 @@ class DraftProposer:
             seq.num_draft_computed = seq.num_tokens + len(draft) - 1
 
 
-def make_proposer(spec, model, num_blocks, block_size, max_model_len, enforce_eager):
-    """(proposer, k, min_accepted) of LLM's speculative argument: {"method": "ngram" | "draft",
-    "num_tokens": k (default 4), "model": the draft (a Qwen3, a directory or a Hub id; with
-    "draft"), "max_n" (ngram; default 4), "min_accepted" (default SPEC_MIN_ACCEPTED, plus k
-    times the draft model's size over the target's)}."""
-    if not isinstance(spec, dict):
-        raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': "
-                        f"4}}, not {type(spec).__name__}")
-    known = {"method", "num_tokens", "model", "max_n", "min_accepted"}
-    if set(spec) - known:
-        raise ValueError(f"speculative: unknown keys {sorted(set(spec) - known)}; known: "
-                         f"{sorted(known)}")
-    method, k = spec.get("method"), spec.get("num_tokens", 4)
-    min_accepted = spec.get("min_accepted", SPEC_MIN_ACCEPTED)
-    if not _is_int(k) or not 1 <= k <= 16:
-        raise ValueError(f"speculative: num_tokens = {k!r} must be an int from 1 to 16")
-    if not _is_number(min_accepted) or min_accepted < 0:
-        raise ValueError(f"speculative: min_accepted = {min_accepted!r} must be a number >= 0")
-    if method == "ngram":
-        if "model" in spec:
-            raise ValueError("speculative: n-gram lookup takes no model")
-        max_n = spec.get("max_n", 4)
-        if not _is_int(max_n) or max_n < 1:
-            raise ValueError(f"speculative: max_n = {max_n!r} must be a positive int")
-        return NgramProposer(max_n), k, min_accepted
-    if method != "draft":
-        raise ValueError(f"speculative: method = {method!r} must be 'ngram' or 'draft'")
-    draft = spec.get("model")  # (LLM has loaded a directory's or a Hub id's)
+class Speculator:
+    """Speculative decoding inside the engine: after a plain step, the drafts it verified update
+    each sequence's acceptance, and the sequences that speculate propose drafts for the next
+    step, which the ModelRunner verifies beside everything else (ModelRunner._verify)."""
+
+    def __init__(self, proposer, num_tokens, min_accepted):
+        self.proposer, self.num_tokens, self.min_accepted = proposer, num_tokens, min_accepted
+
+    def after_step(self, handle, engine, step):
+        """The step's one place for speculation: handle is the step just read (None if it ran
+        nothing), step the engine's step count."""
+        if handle is not None:
+            tokens, _ = handle.wait()
+            for seq, new, k in zip(handle.seqs, tokens, handle.num_drafts):
+                if k:
+                    engine.counts.update(verified=1, drafted=k, accepted=len(new) - 1)
+                    seq.mean_accepted = (0.7 * min(seq.mean_accepted, self.num_tokens)
+                                         + 0.3 * (len(new) - 1))
+        self.draft_next_step(engine.scheduler.running, engine.block_manager, step)
+
+    def needs_tokens(self, running, step):
+        """Whether the step needs its tokens on the host: to verify drafts, or to propose."""
+        return any(seq.draft_tokens for seq in running) or bool(self.speculating(running, step))
+
+    def speculating(self, running, step):
+        """The sequences that propose drafts after this step. Not those under structured output,
+        penalties or logprobs (the verification samples without them), nor those whose mean
+        accepted drafts a step is below min_accepted, where verifying costs more than it saves;
+        all of them probe together every SPEC_PROBE_STEPS steps, to measure anew. And none
+        unless their gains together pay for the wait that speculation puts on the whole batch
+        (SPEC_SYNC_COST). min_accepted = 0: every sequence that can speculates, always."""
+        probe = step % SPEC_PROBE_STEPS == 0
+        seqs = [seq for seq in running if seq.grammar is None and not seq.params.has_penalties
+                and seq.params.logprobs is None
+                and (probe or seq.mean_accepted >= self.min_accepted)]
+        gain = sum(min(seq.mean_accepted, self.num_tokens) - self.min_accepted for seq in seqs)
+        always = probe or self.min_accepted == 0
+        return seqs if always or gain >= SPEC_SYNC_COST * len(running) else []
+
+    def draft_next_step(self, running, block_manager, step):
+        """Draft tokens for the next step of every decoding sequence that speculates, with the
+        blocks they need."""
+        seqs, ks = [], []
+        for seq in self.speculating(running, step):
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
+                continue  # (still holding drafts: it sat this step out, and they wait for the next)
+            k = min(self.num_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            if k >= 1 and block_manager.grow(seq.block_table, seq.num_tokens + k):
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            self.proposer.propose(seqs, ks)
+        for seq in seqs:
+            if not seq.draft_tokens:  # nothing to propose: speculation gained nothing this step
+                seq.mean_accepted = 0.7 * min(seq.mean_accepted, self.num_tokens)
+
+
+def make_speculator(spec, model, num_blocks, block_size, max_model_len, enforce_eager):
+    """The Speculator of EngineConfig.speculative, checked there: {"method": "ngram" | "draft",
+    "num_tokens": k (default 4), "model": the draft (a Qwen3; LLM loads a directory or a Hub
+    id), "max_n" (ngram; default 4), "min_accepted" (default SPEC_MIN_ACCEPTED, plus k times
+    the draft model's size over the target's)}."""
+    k, min_accepted = spec.get("num_tokens", 4), spec.get("min_accepted", SPEC_MIN_ACCEPTED)
+    if spec["method"] == "ngram":
+        return Speculator(NgramProposer(spec.get("max_n", 4)), k, min_accepted)
+    draft = spec["model"]
     if not isinstance(draft, Qwen3):
         raise ValueError("speculative: 'draft' needs a model: a Qwen3, a directory or a Hub id")
     if draft.cfg.vocab_size != model.cfg.vocab_size or _device_of(draft) != _device_of(model):
@@ -4349,7 +4449,7 @@ def make_proposer(spec, model, num_blocks, block_size, max_model_len, enforce_ea
             p.numel() for p in model.parameters())
         min_accepted += k * share
     runner = ModelRunner(draft.eval(), num_blocks, block_size, max_model_len, enforce_eager)
-    return DraftProposer(runner), k, min_accepted
+    return Speculator(DraftProposer(runner), k, min_accepted)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4754,7 +4854,7 @@ class ByteNFA:
     def __init__(self, tree):
         self.eps, self.edges = [], []
         self.start = self.new_state()
-        self.accept = self.add(tree, self.start)
+        self.accept = self.add_node(tree, self.start)
 
     def new_state(self):
         self.eps.append([])
@@ -4769,20 +4869,20 @@ class ByteNFA:
                 self.eps[s].append(end)
         return end
 
-    def add(self, node, start):
+    def add_node(self, node, start):
         """Add `node`'s states, entered at `start`; returns the state where the node is matched.
         No construction loops back to its `start`, so alternatives may share it."""
         if isinstance(node, Chars):
             return self.add_chars(node, start)
         if isinstance(node, Concat):
             for part in node.parts:
-                start = self.add(part, start)
+                start = self.add_node(part, start)
             return start
         if isinstance(node, Repeat):
             return self.add_repeat(node, start)
         if isinstance(node, Separated):
             return self.add_separated(node, start)
-        return self.join([self.add(option, start) for option in node.options])
+        return self.join([self.add_node(option, start) for option in node.options])
 
     def add_chars(self, node, start):
         """One character as UTF-8: a byte-range chain per sequence; chains with the same tail
@@ -4804,15 +4904,15 @@ class ByteNFA:
 
     def add_repeat(self, node, start):
         for _ in range(node.lo):
-            start = self.add(node.node, start)
+            start = self.add_node(node.node, start)
         if node.hi is None:  # a fresh loop state, so the loop cannot re-enter what led here
             loop = self.join([start])
-            self.eps[self.add(node.node, loop)].append(loop)
+            self.eps[self.add_node(node.node, loop)].append(loop)
             return loop
         stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to the end
         for _ in range(node.hi - node.lo):
             stops.append(start)
-            start = self.add(node.node, start)
+            start = self.add_node(node.node, start)
         return self.join(stops + [start])
 
     def add_separated(self, node, start):
@@ -4820,8 +4920,8 @@ class ByteNFA:
         `some` (an item written: the next needs a separator). Each item is built once."""
         empty, some = start, None
         for item, required in node.items:
-            after_sep = None if some is None else self.add(node.sep, some)
-            done = self.add(item, self.join([empty, after_sep]))
+            after_sep = None if some is None else self.add_node(node.sep, some)
+            done = self.add_node(item, self.join([empty, after_sep]))
             if required:
                 empty, some = None, done
             else:  # skipping the item keeps both states; writing it leads to `some`
@@ -5005,7 +5105,7 @@ class TokenTrie:
             self.first_child.append(np.cumsum(n) - n)
             self.n_children.append(n)
 
-    def walk(self, trans, state):
+    def allowed(self, trans, state):
         """(V + 1,) bool: the tokens whose every byte moves the DFA `trans` from `state` to a
         live state (the last slot collects the nodes that end no token)."""
         allowed = np.zeros(self.V + 1, dtype=bool)
@@ -5046,7 +5146,7 @@ class TokenMasker:
         if state not in self.masks:
             if state == DEAD:
                 raise ValueError("the dead state allows no token")
-            allowed = self.trie.walk(self.dfa.trans, state)[:-1]
+            allowed = self.trie.allowed(self.dfa.trans, state)[:-1]
             allowed[self.eos_ids] = self.dfa.accepting[state]
             mask, on_gpu = torch.from_numpy(allowed), torch.device(self.device).type == "cuda"
             # pinned and non_blocking: the copy queues behind the forward pass running on the
@@ -5055,7 +5155,7 @@ class TokenMasker:
                                                                             non_blocking=on_gpu)
         return self.masks[state]
 
-    def advance(self, state, token_id):
+    def next_state(self, state, token_id):
         """The state after `token_id`: DEAD if the mask did not allow it. End-of-sequence leaves
         an accepting state as it is (the request is over)."""
         if state == DEAD:
@@ -5068,7 +5168,7 @@ class TokenMasker:
     def is_accepting(self, state):
         return state != DEAD and bool(self.dfa.accepting[state])
 
-    def is_finished(self, state):
+    def is_complete(self, state):
         """Accepting with no byte that may follow: generation stops here, without sampling."""
         return state != DEAD and bool(self.dfa.finished[state])
 
@@ -5645,7 +5745,7 @@ def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8
     return results
 
 
-class RejectedProposer:
+class RejectedProposer(Proposer):
     """n-gram lookup's worst case, for the bench: k random tokens a step, which the target
     rejects (one in the vocabulary's size accepted), and which cost nothing to propose."""
 
@@ -5664,7 +5764,7 @@ def speculative_rate(model, prompts, params, speculative=None, proposer=None):
     llm = LLM(model, max_model_len=1024, max_num_seqs=len(prompts), num_kv_blocks=len(prompts) * 64,
               speculative=speculative)
     if proposer is not None:
-        llm.engine.proposer = proposer
+        llm.engine.speculator.proposer = proposer
     llm.generate(prompts, params)  # warm-up: graphs, tiles
     sync = torch.cuda.synchronize if _device_of(model).type == "cuda" else (lambda: None)
     best = None
@@ -5813,6 +5913,9 @@ def describe(llm, model):
         origin = "" if model else "GPT-2's first tokens and Qwen3's chat tokens, "
         print(f"tokenizer: {origin}{len(tok.token_bytes):,} ids, eos ids {sorted(tok.eos_token_ids)}, "
               f"chat template: {'yes' if tok.chat_template else 'no (a base model)'}")
+    blocks, size = llm.engine.block_manager.num_blocks, llm.config.block_size
+    print(f"KV cache: {blocks:,} blocks of {size} tokens = {blocks * size:,} tokens, "
+          f"{memory_size(llm.kv_cache_bytes)}")
 
 
 def random_prompts(vocab_size, lengths, seed):

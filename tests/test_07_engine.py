@@ -1823,12 +1823,12 @@ def generate_with_random_logits(q7, masker, gen, max_steps=4000):
     """Random-logit sampling under the masks: (the output's bytes, how it ended)."""
     state, out = masker.start, bytearray()
     for _ in range(max_steps):
-        if masker.is_finished(state):
+        if masker.is_complete(state):
             return bytes(out), "finished"
         logits = 3 * torch.randn(1, len(VOCAB), generator=gen)
         q7.apply_token_masks(logits, [masker.mask(state)])
         token = torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen).item()
-        state = masker.advance(state, token)
+        state = masker.next_state(state, token)
         assert state != q7.DEAD, f"token {token} {VOCAB[token]!r} was allowed but is dead"
         if token in EOS:
             return bytes(out), "eos"
@@ -2127,18 +2127,18 @@ def test_masks_on_a_deeper_vocabulary(q7):
 
 def test_advance_finish_and_eos(q7, grammar_cache):
     masker = grammar_cache.get(choice=["ab", "abc"])
-    assert masker.advance(masker.start, EOS[0]) == q7.DEAD  # eos before a full match
-    after_ab = masker.advance(masker.start, VOCAB.index(b"ab"))
-    assert masker.is_accepting(after_ab) and not masker.is_finished(after_ab)
+    assert masker.next_state(masker.start, EOS[0]) == q7.DEAD  # eos before a full match
+    after_ab = masker.next_state(masker.start, VOCAB.index(b"ab"))
+    assert masker.is_accepting(after_ab) and not masker.is_complete(after_ab)
     assert masker.mask(after_ab)[EOS].all()          # "ab" may end here or go on with "c"
-    assert masker.advance(after_ab, EOS[1]) == after_ab
-    done = masker.advance(masker.start, VOCAB.index(b"abc"))
-    assert masker.is_finished(done)
+    assert masker.next_state(after_ab, EOS[1]) == after_ab
+    done = masker.next_state(masker.start, VOCAB.index(b"abc"))
+    assert masker.is_complete(done)
     assert masker.mask(done).nonzero().flatten().tolist() == EOS  # only eos is left
-    assert masker.advance(done, VOCAB.index(b"a")) == q7.DEAD
-    assert masker.advance(masker.start, VOCAB.index(b"x")) == q7.DEAD
-    assert masker.advance(masker.start, len(VOCAB) - 4) == q7.DEAD  # an id with no bytes
-    assert not masker.is_accepting(q7.DEAD) and not masker.is_finished(q7.DEAD)
+    assert masker.next_state(done, VOCAB.index(b"a")) == q7.DEAD
+    assert masker.next_state(masker.start, VOCAB.index(b"x")) == q7.DEAD
+    assert masker.next_state(masker.start, len(VOCAB) - 4) == q7.DEAD  # an id with no bytes
+    assert not masker.is_accepting(q7.DEAD) and not masker.is_complete(q7.DEAD)
     with pytest.raises(ValueError):
         masker.mask(q7.DEAD)
 
@@ -2147,10 +2147,10 @@ def test_utf8_split_tokens_and_aliases(q7, grammar_cache):
     """A token holding half a character moves to a state inside the character; a duplicate
     token (two ids, the same bytes) gets the same mask bit as its twin."""
     masker = grammar_cache.get(choice=["né"])
-    n = masker.advance(masker.start, VOCAB.index(b"n"))
-    half = masker.advance(n, VOCAB.index("é".encode()[:1]))
+    n = masker.next_state(masker.start, VOCAB.index(b"n"))
+    half = masker.next_state(n, VOCAB.index("é".encode()[:1]))
     assert half != q7.DEAD and not masker.is_accepting(half)
-    assert masker.is_finished(masker.advance(half, VOCAB.index("é".encode()[1:])))
+    assert masker.is_complete(masker.next_state(half, VOCAB.index("é".encode()[1:])))
     allowed = grammar_cache.get(regex="name|x").mask(0)
     twin_ids = [i for i, v in enumerate(VOCAB) if v == b"name"]
     assert len(twin_ids) == 2 and allowed[twin_ids].all()
@@ -2656,9 +2656,9 @@ def test_preempted_sequences_resume_with_the_same_sample(q7, hf_dir):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_abort_anywhere_frees_everything(q7, hf_dir, async_scheduling):
-    """Abort a waiting request, one in the middle of its chunked prefill and one decoding: each
-    ends with finish_reason "abort" and no further output, the others finish as they would
-    alone, and afterwards every block is free."""
+    """Abort a waiting request, one in the middle of its chunked prefill and one decoding: the
+    next step reports each once, with finish_reason "abort" and its tokens so far, and nothing
+    after; the others finish as they would alone, and afterwards every block is free."""
     hf, folder = hf_dir
     model = q7.load_qwen3(folder, device="cpu")
     llm = q7.LLM(model, max_model_len=40, max_num_batched_tokens=8, max_num_seqs=2, debug=True,
@@ -2675,18 +2675,26 @@ def test_abort_anywhere_frees_everything(q7, hf_dir, async_scheduling):
     engine.abort("b")  # prefilling
     engine.abort("c")  # waiting
     outputs = {}
-    for _ in range(3):
+    first = engine.step()
+    assert {(o.request_id, o.finish_reason, len(o.token_ids)) for o in first
+            if o.request_id in "bc"} == {("b", "abort", 0), ("c", "abort", 0)}
+    for out in first:
+        outputs.setdefault(out.request_id, []).append(out)
+    for _ in range(2):
         for out in engine.step():
-            outputs[out.request_id] = out
+            outputs.setdefault(out.request_id, []).append(out)
+    a_before = len(outputs["a"])
     engine.abort("a")  # decoding
     engine.abort("zz")  # unknown: ignored
     while engine.has_unfinished():
         for out in engine.step():
-            outputs[out.request_id] = out
-    assert "b" not in outputs and "c" not in outputs
-    assert seqs["a"].finish_reason == "abort" and len(seqs["a"].output_token_ids) < 12
-    assert outputs["d"].token_ids == hf_greedy(hf_dir[0], prompts[3], 12)
-    assert outputs["d"].finished and outputs["d"].request_id == "d"
+            outputs.setdefault(out.request_id, []).append(out)
+    assert len(outputs["b"]) == len(outputs["c"]) == 1  # reported once, nothing after
+    assert len(outputs["a"]) == a_before + 1 and outputs["a"][-1].finish_reason == "abort"
+    assert outputs["a"][-1].token_ids == seqs["a"].output_token_ids
+    assert len(seqs["a"].output_token_ids) < 12 and "zz" not in outputs
+    assert outputs["d"][-1].token_ids == hf_greedy(hf_dir[0], prompts[3], 12)
+    assert outputs["d"][-1].finished and outputs["d"][-1].request_id == "d"
     assert_all_free(engine)
 
 
@@ -2709,6 +2717,48 @@ def test_step_reports_each_request_as_it_advances(q7, hf_dir):
     assert [len(t) for _, t, _ in seen] == [1, 2, 3, 4]
     assert [r for _, _, r in seen] == [None, None, None, "length"]
     assert all(seen[i][1] == seen[-1][1][:i + 1] for i in range(4))
+
+
+def leak_freed_blocks(q7, engine, monkeypatch):
+    free = engine.block_manager.free
+    monkeypatch.setattr(engine.block_manager, "free", lambda table: table.clear())  # lost
+
+
+def keep_finished_running(q7, engine, monkeypatch):
+    finish = engine.scheduler.finish
+
+    def finish_but_keep(seq, reason):
+        running = seq in engine.scheduler.running
+        finish(seq, reason)
+        if running and reason != "abort":
+            engine.scheduler.running.append(seq)
+    monkeypatch.setattr(engine.scheduler, "finish", finish_but_keep)
+
+
+def never_reach_max_tokens(q7, engine, monkeypatch):
+    reason = engine.scheduler._finish_reason
+    monkeypatch.setattr(engine.scheduler, "_finish_reason",
+                        lambda seq, token: None if reason(seq, token) == "length" else
+                        reason(seq, token))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("bug", [leak_freed_blocks, keep_finished_running,
+                                 never_reach_max_tokens])
+def test_an_engine_that_cannot_progress_raises(q7, hf_dir, monkeypatch, bug, async_scheduling):
+    """A step that schedules nothing while no step is in flight and requests remain can never
+    change anything: with each of three planted engine bugs (a freed block lost, a finished
+    sequence left running, max_tokens never reached), generate raises an error that names the
+    stuck requests and the free blocks instead of spinning forever."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    llm = q7.LLM(model, max_model_len=40, num_kv_blocks=6, block_size=4, max_num_seqs=2,
+                 async_scheduling=async_scheduling)
+    bug(q7, llm.engine, monkeypatch)
+    greedy = q7.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"the engine is stuck: \d+ requests \(\d+.*\) can be "
+                                           r"neither scheduled nor finished, with \d+ of 6 KV "
+                                           r"blocks free"):
+        llm.generate([random_ids(9, seed=s) for s in range(4)], greedy)
 
 
 def test_a_request_larger_than_the_pool_is_refused(q7, hf_dir):
@@ -2739,13 +2789,17 @@ def test_bad_engine_knobs(q7, hf_dir, kwargs, error, message):
         q7.LLM(model, max_model_len=40, **kwargs)
 
 
-def test_the_cpu_pool_default_and_report(q7, hf_dir, capsys):
+def test_the_cpu_pool_default_and_report(q7, hf_dir, capsys, caplog):
     """Without num_kv_blocks a CPU engine's pool holds max_num_seqs sequences of max_model_len
-    tokens, and says so."""
+    tokens, and logs so (a library prints nothing), in MiB when under a GiB: 2 layers, 2 kv heads
+    of 32 values, keys and values, float32, 200 tokens."""
     model = q7.load_qwen3(hf_dir[1], device="cpu")
-    llm = q7.LLM(model, max_model_len=40, max_num_seqs=5, block_size=8)
+    with caplog.at_level("INFO", logger="07_engine"):
+        llm = q7.LLM(model, max_model_len=40, max_num_seqs=5, block_size=8)
     assert llm.engine.block_manager.num_blocks == 25  # 5 x 40 tokens / 8
-    assert "KV cache: 25 blocks of 8 tokens = 200 tokens" in capsys.readouterr().out
+    assert llm.kv_cache_bytes == 200 * 2 * 2 * 2 * 32 * 4
+    assert "KV cache: 25 blocks of 8 tokens = 200 tokens, 0.2 MiB" in caplog.text
+    assert capsys.readouterr().out == ""
 
 
 def test_prefix_caching_reuses_a_shared_prompt(q7, hf_dir):
@@ -2831,7 +2885,7 @@ def test_speculation_thresholds(q7):
     assert size[small] < size[target]
 
     def threshold(spec):
-        return q7.make_proposer(spec, target, 8, 16, 64, True)[2]
+        return q7.make_speculator(spec, target, 8, 16, 64, True).min_accepted
     base = q7.SPEC_MIN_ACCEPTED
     assert threshold({"method": "ngram", "num_tokens": 3}) == base
     assert threshold({"method": "draft", "model": target, "num_tokens": 3}) == pytest.approx(
@@ -3246,7 +3300,7 @@ def test_block_manager_against_a_reference_model(q7, seed, num_blocks, block_siz
             if rng.random() < 0.3:
                 seq["computed"] = 0
                 waiting.append(seq)
-        m.check([seq["table"] for seq in running])
+        m.verify([seq["table"] for seq in running])
         assert m.ref_counts == ref.counts and set(m.free_blocks) == ref.free
         assert list(m.evictable) == ref.lru and m.num_free_blocks == len(ref.free) + len(ref.lru)
         assert sorted(m.cached.values()) == sorted(ref.named.values())
@@ -3254,7 +3308,7 @@ def test_block_manager_against_a_reference_model(q7, seed, num_blocks, block_siz
     assert admitted > 100 and preempted > 0 and hit_admissions > 20  # every path was taken
     for seq in running:
         m.free(seq["table"])
-    m.check([])
+    m.verify([])
     assert m.num_free_blocks == num_blocks
 
 
@@ -3282,7 +3336,7 @@ def test_block_manager_prefix_reuse(q7):
         m.free(table)
     # Blocks 1 and 2 of `a` again, at the start of a prompt: other tokens before them, no hit.
     assert m.allocate_prefix([], a[4:]) == 0
-    m.check([first, second])
+    m.verify([first, second])
 
 
 def test_block_manager_duplicate_blocks(q7):
@@ -3308,7 +3362,7 @@ def test_block_manager_duplicate_blocks(q7):
     d = []
     assert m.grow(d, 12) and d == first[2:] + first[1::-1]  # the free one, then evictions
     assert m.allocate_prefix(probe, longer + [5]) == 0 and probe == []
-    m.check([tb, d])
+    m.verify([tb, d])
 
 
 @pytest.mark.parametrize("length, blocks", [(8, 1), (9, 2), (12, 2)])
@@ -3321,7 +3375,7 @@ def test_block_manager_recomputes_the_last_token(q7, length, blocks):
     again = []
     assert m.allocate_prefix(again, tokens) == 4 * blocks and again == first[:blocks]
     assert m.grow(again, length) and len(again) == len(first)
-    m.check([first, again])
+    m.verify([first, again])
 
 
 def test_block_manager_evicts_the_least_recently_freed_first(q7):
@@ -3349,7 +3403,7 @@ def test_block_manager_evicts_the_least_recently_freed_first(q7):
         table = []
         assert m.allocate_prefix(table, prompt) == cached
         m.free(table)
-    m.check([d])
+    m.verify([d])
 
 
 def test_block_manager_grow_is_all_or_nothing(q7):
@@ -3362,10 +3416,10 @@ def test_block_manager_grow_is_all_or_nothing(q7):
     held = []
     assert m.grow(held, 4)
     assert not m.grow(held, 4 * 6) and len(held) == 1 and m.num_free_blocks == 4
-    m.check([held])
+    m.verify([held])
     assert m.grow(held, 4 * 5) and len(held) == 5 and m.num_free_blocks == 0
     assert not m.grow(held, 4 * 5 + 1) and len(held) == 5
-    m.check([held])
+    m.verify([held])
 
 
 def test_block_manager_without_prefix_caching(q7):
@@ -3378,7 +3432,7 @@ def test_block_manager_without_prefix_caching(q7):
     m.free(first)
     assert m.allocate_prefix(table, tokens) == 0 and table == []
     assert m.num_free_blocks == 8 and not m.evictable and m.prefix_hit_rate == 0.0
-    m.check([])
+    m.verify([])
 
 
 def test_block_manager_hit_rate(q7):
@@ -3448,15 +3502,15 @@ def corrupt_unknown_id(m, tables):
     (corrupt_evictable_unnamed, "not cached"),
     (corrupt_unknown_id, "block ids outside the pool: {99}"),
 ])
-def test_block_manager_check_catches_corruption(q7, corrupt, message):
+def test_block_manager_verify_catches_corruption(q7, corrupt, message):
     m = q7.BlockManager(8, block_size=2)
     gone = cached_sequence(m, [1, 2, 3, 4, 5])
     m.free(gone)  # two evictable blocks
     tables = [cached_sequence(m, [6, 7, 8]), cached_sequence(m, [9, 9, 9])]
-    m.check(tables)
+    m.verify(tables)
     corrupt(m, tables)
     with pytest.raises(AssertionError, match=re.escape(message)):
-        m.check(tables)
+        m.verify(tables)
 
 
 # --------------------------------------------------------------------------------- paged attention
@@ -3752,13 +3806,13 @@ def test_gpu_graph_replay_equals_eager(q7):
     tables = torch.randperm(64, generator=gen)[:6 * 4].view(6, 4).tolist()  # 4 blocks a sequence
     prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (20, 3, 17, 9, 33, 16)]
     for runner in runners:
-        runner.forward([(p, None, 0, t, 1) for p, t in zip(prompts, tables)])
+        runner.run([(p, None, 0, t, 1) for p, t in zip(prompts, tables)])
     fp32 = copy.deepcopy(model).float().use_kernels(False)
     lengths = [len(p) for p in prompts]
     for batch, steps in ((6, 2), (3, 3), (1, 2)):
         for _ in range(steps):
             entries = [([prompts[b][0]], None, lengths[b], tables[b], 1) for b in range(batch)]
-            graphed, eager = (runner.forward(entries) for runner in runners)
+            graphed, eager = (runner.run(entries) for runner in runners)
             assert torch.equal(graphed, eager)
             for b in range(batch):
                 prompts[b] = prompts[b] + [prompts[b][0]]
