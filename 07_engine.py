@@ -1,99 +1,38 @@
-"""Stage 07: serving Qwen3: the model, its tokenizer and chat format, a KV cache, an engine with
-continuous batching, a paged KV cache, prefix caching and speculative decoding, sampling and
-structured output (book chapters 16-19, 24-26, 31-34).
+"""Stage 07: serving Qwen3 (book chapters 16-19, 24-26, 31-34). The model with its tokenizer and
+chat format; a KV cache and a first engine; fast decode on fused kernels and CUDA graphs; then the
+engine as vLLM builds it: continuous batching over a paged KV cache with prefix caching, a sampler
+with structured output, speculative decoding, and async scheduling.
 
-What this stage teaches
-    16. What an inference engine does: a prefill runs the whole prompt once, then decode steps
-        make one token each, reading the keys and values of earlier tokens from a KV cache.
-        The engine is a few small parts with vLLM's names: a request is a `Sequence`, the
-        `Scheduler` picks the batch, the `ModelRunner` turns it into tensors and runs the model,
-        the `Sampler` picks tokens, `LLMEngine.step` ties them together and `LLM.generate` is
-        the entry point.
-        The text boundary: `load_tokenizer` reads a Hugging Face tokenizer.json (byte-level
-        BPE: vocabulary, merges, normalizer, pre-tokenizer regex, added tokens) into a tiktoken
-        Encoding whose ids equal the `tokenizers` library's; the `Tokenizer` also knows the eos
-        ids that the model's files name and writes Qwen3's chat format by hand
-        (`apply_chat_template`, with the thinking switch). `LLM` loads it with the weights,
-        so prompts may be text and outputs have text (special tokens skipped, as in vLLM).
-    17. Qwen3 (dense): `Qwen3Config.from_json` reads a Hugging Face config.json; `Qwen3` is
-        RMSNorm, per-head q/k RMSNorm, rotary position embeddings, grouped-query attention and
-        a SwiGLU MLP, computed as transformers' Qwen3ForCausalLM computes them. `load_qwen3`
-        builds it on the meta device and reads each tensor of a directory or Hub id once,
-        memory-mapped, straight to its device and dtype.
-    18. The KV cache (`KVCache`), allocated once and written at each token's position. Prefill
-        runs on stage 06's `flash_attention` on a GPU, decode attends over the cache; both are
-        checked against recomputing the whole sequence.
-    19. Fast decode: `decode_attention`, a Triton kernel for one query a row over a long cache
-        (flash-decoding: the keys split into chunks whose partial softmaxes a second kernel
-        merges; the query heads of a GQA group share each K/V load); `forward_packed`, the
-        engine's step on fewer kernels (fused projections; q/k norm + RoPE + the cache write in
-        one kernel; at batch 1 `matvec`, a matrix-vector kernel that takes in the residual add
-        and RMSNorm or the SwiGLU before it), the stage's kernels launched before the previous
-        one ends (programmatic dependent launch); `DecodeGraphs`, a decode step captured in a
-        CUDA graph per batch-size bucket and replayed by the engine on a GPU.
-    24. Continuous batching: the `Scheduler` decides every step which sequences run, under a
-        token budget (`max_num_batched_tokens`) and a sequence budget (`max_num_seqs`): decodes
-        first, then new prompts, a long one prefilled in chunks that share steps with the
-        decodes (chunked prefill); when the cache is full the latest admitted sequence is
-        preempted and later recomputed, with the same output. `LLMEngine.add_request`, `step`
-        and `abort` serve requests one at a time (stage 08's server drives them).
-    25. The paged KV cache: a pool of blocks (`BlockManager`: block tables, reference counts, a
-        free list; its size from the memory left after the weights and a profiled step, like
-        vLLM's `gpu_memory_utilization`), read by the stage's own paged Triton kernels: a decode
-        kernel (split over the keys) and a prefill / extend kernel (a chunk of new queries over
-        the cached prefix and itself, ragged lengths in one launch). Attention backends sit
-        behind one small interface (ch. 32): `triton_attention`, and `torch_attention`, which
-        gathers the blocks and runs plain attention (the CPU's engine, and the reference).
-    26. Speculative decoding: `LLM(speculative=...)`, n-gram prompt lookup (`ngram_propose`) or
-        a draft model, whose proposals every running sequence verifies in one target forward;
-        `rejection_sample` keeps the target's distribution exactly (greedy output is plain
-        greedy's); a sequence whose drafts are rarely accepted stops proposing.
-    31. Prefix caching: full blocks named by a chained hash of their tokens, shared by every
-        request whose prompt starts alike, kept after use until evicted (LRU); the hit rate is
-        in `LLMEngine.stats`.
-    33. The fast step: decode steps replay CUDA graphs, other steps run eagerly; async
-        scheduling (on by default) launches step n + 1 before step n's tokens reach the host,
-        so the host's work runs while the GPU computes.
-        `--bench` measures decode attention and paged decode against copy bandwidth, decode
-        tokens/s of Qwen3-0.6B- and Qwen3-8B-shaped models against transformers' generate, and
-        offline throughput on nano-vllm's workload against transformers' continuous batching.
-    34. Sampling: `SamplingParams` (temperature, top-k, top-p, min-p, repetition, presence and
-        frequency penalties, seed, stop ids, logprobs), validated on construction and applied in
-        vLLM's order, every row of a batch with its own values and, when seeded, its own random
-        stream, without a host sync inside the sampler.
-        Structured output: a regex, a choice or a JSON schema (a subset) is compiled to an
-        automaton over bytes (`compile_grammar`); per automaton state, a walk of a trie of the
-        vocabulary gives the mask of the tokens allowed (`TokenMasker`, cached per state and
-        shared through a `GrammarCache`); the sampler applies the masks on the device before
-        anything else, and a request stops when its automaton is finished. Every output
-        matches, with random weights too.
+    python 07_engine.py              # a tiny random Qwen3: every part, checked, on a CPU
+    python 07_engine.py --model Qwen/Qwen3-0.6B --prompt "Why is the sky blue?" --chat
+    python 07_engine.py --bench      # on a GPU: kernels and engine against torch and transformers
 
-New since stage 06: all of the above. Kept unchanged: the Triton set-up, stage 05's RMSNorm and
-SwiGLU forward kernels, stage 06's flash-attention forward kernel with its input checks, its
-SM count and its bench's timer and copy bandwidth (`_num_sms`, `_ms`, `_bench_copy_gbs`), the
-download helper, `read_ranks` and GPT-2's regex (main's demo tokenizer is built from GPT-2's
-ranks). Changed: `rms_norm`, `swiglu` and `flash_attention` are forward only (plain functions,
-no autograd); stage 03's `filter_logits` takes one top-k / top-p per row and adds min-p;
-`DATA_FILES` holds GPT-2's ranks only.
-Dropped (each lives on in stage 06): GPT-2 with its tokenizer Encoding, data loader, training
-loop, checkpoints and weight loader; 03's `generate`; the softmax, LayerNorm, GELU, matmul and
-cross-entropy kernels; every backward kernel; the twin classes that swapped kernels into the
-GPT; naive and tiled attention and chapter 15's walk-through; the 05/06 benchmarks and the
-CUDA-graph training step; The Verdict (no training here).
+New since stage 06: all of it. Changed: rms_norm, swiglu and flash_attention are forward only
+(rms_norm on a kernel of its own, a row a program); filter_logits takes a top-k and top-p per row,
+and min-p; DATA_FILES holds GPT-2's ranks only (main's demo tokenizer). Dropped, and kept in stage
+06: GPT-2, its data, training and generate; every backward kernel; the LayerNorm, softmax, GELU,
+matmul and cross-entropy kernels; naive and tiled attention; the 05/06 benches.
 
-Run
-    python 07_engine.py                  # a small random Qwen3 with GPT-2's BPE (first 8,192
-                                         # tokens) and Qwen3's chat tokens
-    python 07_engine.py --model DIR      # a Hugging Face Qwen3 directory, or a Hub id such as
-                                         # Qwen/Qwen3-0.6B (downloaded into data/hub/)
-    python 07_engine.py --model DIR --prompt "..." --chat    # the prompt as a chat turn
-    python 07_engine.py --bench          # what structured output costs on a 151,936-token
-                                         # vocabulary; on a GPU, attention's GB/s, decode and
-                                         # offline tokens/s against transformers
-Prints the cached path against full recomputation, the Triton kernels against torch (on a CPU
-through Triton's interpreter), greedy and sampled generations as text, batched against one by
-one, a generation under each kind of structured output (checked with Python's re and json),
-continuous batching step by step (each step's sequences and tokens, preemptions), and tokens/s.
+Read top to bottom, the way a request flows (ENGINE.md). Each line: chapter, section, and the
+definitions to read first.
+    17      Qwen3: configuration and weights             Qwen3Config, load_qwen3
+    17      its tokenizer and chat format                load_tokenizer, Tokenizer
+    17      the model on its kernels: RMSNorm, SwiGLU,   Attention, Qwen3, flash_attention,
+            RoPE, attention (prefill, decode, paged)     decode_attention, paged_decode_attention
+    16      the KV cache                                 KVCache
+    18      engine v1: prefill, decode, sample           generate
+    19, 33  fast decode: fused kernels, CUDA graphs      forward_packed, DecodeGraphs
+    24      a request                                    Sequence
+    25, 31  the paged cache and prefix caching           BlockManager
+    24      continuous batching                          Scheduler.schedule
+    19, 33  the model runner                             ModelRunner.launch
+    34      sampling                                     SamplingParams, Sampler
+    24, 33  the engine's step, plain and overlapped      LLMEngine.plain_step, overlapped_step
+    24      the entry point and its knobs                LLM, EngineConfig
+    26      speculative decoding                         rejection_sample, Speculator
+    34      structured output                            compile_grammar, TokenMasker
+    44      the benches                                  bench_engine, bench_throughput
+            the demos and main                           main
 """
 
 import argparse
@@ -465,7 +404,7 @@ def save_qwen3(model, folder):
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 16. The tokenizer and the chat format
+# Chapter 17. Qwen3's tokenizer and chat format
 # ----------------------------------------------------------------------------------------------
 # NEW in stage 07: the tokenizer of a Hugging Face model directory, on tiktoken.
 #
@@ -882,7 +821,7 @@ def byte_level_bpe_json(ranks, added):
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 17. Qwen3: the model
+# Chapter 17. Qwen3: the model, on its kernels
 # ----------------------------------------------------------------------------------------------
 # A Qwen3 block is Llama's with one addition: x + attention(rmsnorm(x)), then x + mlp(rmsnorm(x));
 # attention projects to Hq query and Hkv key/value heads, normalizes each query and key head with
@@ -894,158 +833,39 @@ def byte_level_bpe_json(ranks, added):
 # everywhere and is what the kernels are checked against (`Qwen3.use_kernels`).
 
 # ------------------------------------------------------------------------------------------------
-# 17.1 RMSNorm, on stage 05's row kernels
+# 17.1 RMSNorm
 # ------------------------------------------------------------------------------------------------
 # RMSNorm y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). The kernel reads x once and
-# writes y once; the torch twin reads and writes several fp32 temporaries. Stage 05's kernels
-# serve LayerNorm too (RMS is a constexpr, and the compiler drops the branch not taken); this
-# stage launches them for RMSNorm only, with no statistics saved for a backward. They hold whole
-# rows in registers, or stream rows wider than _MAX_FUSED_NORM_N (and fp32 rows from 1,024
-# columns) in chunks: 14.3b below.
-
-_MAX_FUSED_NORM_N = 8192  # the norms stream wider 16-bit rows, and fp32 rows from 1,024
-_CHUNK = 4096  # chunk of a streamed (wide) row
-
+# writes y once, a row a program, in fp32 and rounded once; the torch twin goes through fp32
+# temporaries and rounds where transformers rounds. Stage 05's norm kernels also served
+# LayerNorm and its backward, and streamed rows too wide for registers: a Qwen3 row, 128 to
+# 5,120 values, fits in one program's. ADD is for chapter 19, which fuses the residual add in
+# front of the norm (add_rms_norm).
 
 @triton.jit
-def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N: tl.constexpr, RMS: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, R=None, S=None):
-    # X, Y (n_rows, N); W, B (N,) (B may be None); MEAN, RSTD (n_rows,) fp32, None when not wanted
-    # (MEAN always None for RMS). N is a compile-time constant: where N == BLOCK_N the column mask folds away.
-    # R (n_rows, N), or None: added to x first, the sum written to S and normalized (stage 06's
-    # add_layer_norm).
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]  # (ROWS, BLOCK_N)
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    if R is not None:  # in fp32, then rounded to S's dtype: what torch's x + r computes
-        x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
-        x = x.to(S.dtype.element_ty).to(tl.float32)  # the norm reads the sum as it was stored
-    if RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)  # centered; masked lanes stay 0
-        if MEAN is not None:
-            tl.store(MEAN + rows, mean, mask=rows < n_rows)
-    # the variance of centered values: no cancellation, unlike E[x^2] - E[x]^2
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    if RSTD is not None:
-        tl.store(RSTD + rows, rstd, mask=rows < n_rows)
-    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :]
-    if B is not None:
-        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-
-# ------------------------------------------------------------------------------------------------
-# 17.1b Rows wider than registers hold: streaming the norm
-# ------------------------------------------------------------------------------------------------
-# A wide row held whole in registers leaves one or two programs per SM, whose loads stop while
-# they reduce and store (layer norm at 16,384 columns: 85% of copy bandwidth on the H200). What
-# streaming adds: one program a row, two passes over chunks of it. Pass 1 keeps running statistics
-# per lane (Welford's update) and merges the lanes once, after the loop; pass 2 re-reads the row,
-# the second time from L2, and writes y. What it buys: the program keeps loading, and the same
-# layer norm reaches 95% of copy bandwidth.
-
-
-@triton.jit
-def _welford_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    # Combine two partial (mean, m2, count) into one (Chan et al.); an empty side changes nothing.
-    n = n_a + n_b
-    frac_b = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
-    delta = mean_b - mean_a
-    return mean_a + delta * frac_b, m2_a + m2_b + delta * delta * n_a * frac_b, n
-
-
-@triton.jit
-def _norm_fwd_chunk(x_ptr, w_ptr, b_ptr, y_ptr, cols, mean, rstd, N, MASKED: tl.constexpr):
-    # y = (x - mean) * rstd * w (+ b) for one chunk of a streamed row
-    mask = cols < N if MASKED else None
-    other = 0.0 if MASKED else None
-    x = tl.load(x_ptr + cols, mask=mask, other=other, eviction_policy="evict_first").to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
-    y = (x - mean) * rstd * w
-    if b_ptr is not None:
-        y += tl.load(b_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
-    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, eps, N: tl.constexpr, RMS: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    # Wide rows, one program per row, two passes over chunks of BLOCK_N. Pass 1 keeps running
-    # statistics *per lane* (Welford's update, one value at a time for each of the BLOCK_N lanes)
-    # and merges the lanes once, after the loop: no reduction across lanes, and so no barrier,
-    # inside the loop. N is a compile-time constant (one compile per row width): the loops over
-    # whole chunks have a known trip count, need no mask, and are unrolled, so the loads of
-    # several chunks are in flight at once; a ragged last chunk is handled after each loop.
-    # Pass 2 re-reads the row, which pass 1 asked L2 to keep, and writes y.
+def _rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr, ADD: tl.constexpr):
+    # One program a row. ADD: x += r first, rounded to x's dtype as torch's add rounds it and
+    # written back (x is the residual stream); then y = x * rstd * w, in fp32, rounded once.
     row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * N
-    y_row = Y + row * N
-    FULL: tl.constexpr = N // BLOCK_N * BLOCK_N  # columns in whole chunks
     cols = tl.arange(0, BLOCK_N)
-    mean = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    m2 = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum of squared deviations (of squares for RMS)
-    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
-        x = tl.load(x_row + start + cols, eviction_policy="evict_last").to(tl.float32)
-        if RMS:
-            m2 += x * x
-        else:
-            delta = x - mean
-            mean += delta * (1.0 / (start // BLOCK_N + 1))  # the lane's k-th value: 1/k of the way
-            m2 += delta * (x - mean)
-    count = tl.full((BLOCK_N,), FULL // BLOCK_N, tl.float32)  # values each lane has seen
-    if FULL < N:  # the ragged last chunk: lanes inside the row take one more value
-        seen = FULL + cols < N
-        x = tl.load(x_row + FULL + cols, mask=seen, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if RMS:
-            m2 += x * x
-        else:
-            count += seen.to(tl.float32)
-            delta = tl.where(seen, x - mean, 0.0)
-            mean += delta / tl.maximum(count, 1.0)  # a lane may have seen nothing yet
-            m2 += delta * (x - mean)
-    if RMS:
-        row_mean = 0.0
-        row_m2 = tl.sum(m2, axis=0)
-    else:
-        row_mean, row_m2, _ = tl.reduce((mean, m2, count), 0, _welford_merge)
-        if MEAN is not None:
-            tl.store(MEAN + row, row_mean)
-    rstd = 1.0 / tl.sqrt(row_m2 / N + eps)
-    if RSTD is not None:
-        tl.store(RSTD + row, rstd)
-    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
-        _norm_fwd_chunk(x_row + start, W + start, B + start if B is not None else None, y_row + start,
-                        cols, row_mean, rstd, N, False)
-    if FULL < N:
-        _norm_fwd_chunk(x_row + FULL, W + FULL, B + FULL if B is not None else None, y_row + FULL,
-                        cols, row_mean, rstd, N - FULL, True)
+    mask = cols < N
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(R + row * N + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(X + row * N + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
-def _rms_norm_rows(x, weight, eps):
-    """x (rows, N) -> y (rows, N), RMSNorm: stage 05's forward launch, for RMS and no statistics."""
-    n_rows, n_cols = x.shape
+def _launch_rms_norm(x, residual, weight, eps):
+    n_rows, n = x.view(-1, x.shape[-1]).shape
     y = torch.empty_like(x)
-    args = (x, weight, None, y, None, None, eps)
-    block_n = triton.next_power_of_2(n_cols)
-    if n_cols > _MAX_FUSED_NORM_N or (x.element_size() == 4 and n_cols >= 1024):
-        # streamed where that is faster on the H200: chunks of half the row (at most _CHUNK),
-        # one 16-byte load a thread a chunk
-        chunk = min(_CHUNK, block_n // 2)
-        _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=True, BLOCK_N=chunk,
-                                           num_warps=chunk * x.element_size() // (16 * 32))
-    else:
-        # whole rows in registers, 16 values a thread, several rows a program when they are short
-        rows = min(max(1, 1024 // block_n), triton.next_power_of_2(n_rows))
-        _norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, RMS=True, ROWS=rows,
-                                                       BLOCK_N=block_n,
-                                                       num_warps=min(16, max(1, rows * block_n // 512)))
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(n_rows,)](x, residual, weight, y, eps, N=n, BLOCK_N=block,
+                                ADD=residual is not None, num_warps=min(16, max(1, block // 256)))
     return y
 
 
@@ -1060,10 +880,10 @@ def _check_norm(x, weight, bias):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
 
 
-def rms_norm(x, weight, eps=1e-6):  # changed in 07: forward only
+def rms_norm(x, weight, eps=1e-6):  # changed in 07: forward only, a row a program
     """RMSNorm of x (..., N): x / sqrt(mean(x^2) + eps) * weight, weight (N,)."""
     _check_norm(x, weight, None)
-    return _rms_norm_rows(x.view(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return _launch_rms_norm(x, None, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -2201,7 +2021,7 @@ def _check_ids(ids, vocab_size):
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 18. The KV cache
+# Chapter 16. The KV cache
 # ----------------------------------------------------------------------------------------------
 # Without a cache, token n of a generation recomputes the keys and values of all n - 1 tokens
 # before it: O(n^2) work for n tokens. They never change (a causal model's token t depends on
@@ -2245,6 +2065,113 @@ class KVCache:
     def read(self, layer, batch, kv_len):
         """Views, no copy: the first kv_len positions of rows 0..batch-1, (batch, Hkv, kv_len, D)."""
         return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 18. Engine v1: prefill, then decode over the cache
+# ----------------------------------------------------------------------------------------------
+# The simplest engine serves one static batch. Its prompts, padded on the right to one length,
+# are prefilled in one forward pass, which writes every token's keys and values into a KVCache
+# (a row's padding is overwritten by its own later tokens, position by position); then each
+# decode step runs one token a row, at the row's own position, over the cache. Tokens are
+# sampled on the device by the Sampler (chapter 34) and read back at the end, so no step waits
+# for the host: a row that meets an eos runs on until the whole batch has (checked every
+# EOS_CHECK_STEPS steps), its extra tokens dropped. That waste, and a new request's wait for the
+# whole batch to end, are what continuous batching removes (chapter 24).
+#
+# On a GPU a decode step is replayed from a CUDA graph (cuda_graph): the whole forward pass is
+# launched by one call instead of a few hundred from Python. A graph replays fixed shapes and
+# addresses, so its inputs are copied into buffers of its own, and attention reads the whole
+# cache every step, each row up to its own position: positions past a row's last are masked,
+# and add exact zeros. The plain loop runs the same step, without the graph.
+
+EOS_CHECK_STEPS = 16
+
+
+def cuda_graph(fn, *args):
+    """fn(*args), tensors in and a tensor out, captured in a CUDA graph. Returns replay(*args),
+    which copies its arguments into the graph's own input buffers, replays it, and returns the
+    graph's output (overwritten by the next replay). A run before the capture, on a side
+    stream as capturing requires, compiles and autotunes the kernels (a capture may not), on
+    the first arguments: whatever it writes, the first replay writes again."""
+    inputs = [x.clone() for x in args]
+    side = torch.cuda.Stream(args[0].device)
+    side.wait_stream(torch.cuda.current_stream(args[0].device))
+    with torch.cuda.stream(side):
+        fn(*inputs)
+    torch.cuda.current_stream(args[0].device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn(*inputs)
+
+    def replay(*xs):
+        for buffer, x in zip(inputs, xs):
+            buffer.copy_(x)
+        graph.replay()
+        return output
+    return replay
+
+
+@torch.inference_mode()
+def generate(model, prompts, params=None, eos_token_ids=(), cuda_graph_decode=True):
+    """Engine v1: the generated ids of each prompt (a list of token ids), a list each, the eos
+    or stop id that ended it included; sampled as `params` (a SamplingParams; default greedy,
+    16 tokens) asks, every row of the batch with its own random stream when seeded. A row ends at
+    one of eos_token_ids (unless params.ignore_eos) or params.stop_token_ids, or after
+    max_tokens (None: up to the model's context). Structured output and logprobs are the
+    engine's (LLM.generate). cuda_graph_decode: replay decode steps from a CUDA graph (on a
+    GPU)."""
+    params = SamplingParams(temperature=0) if params is None else params
+    cfg, device = model.cfg, _device_of(model)
+    _check_v1_request(prompts, params, cfg)
+    lengths = [len(p) for p in prompts]
+    max_tokens = params.max_tokens or cfg.max_position_embeddings - max(lengths)
+    B, T = len(prompts), max(lengths)
+    cache = KVCache(cfg, B, T + max_tokens, device, model.model.embed_tokens.weight.dtype)
+    ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # (B, T)
+    h = model.hidden_states(ids, cache=cache)  # the prefill: (B, T, C)
+    rows, last = torch.arange(B, device=device), torch.tensor(lengths, device=device) - 1
+    logits = model.logits(h[rows, last])  # (B, V): each row's next token after its prompt
+
+    def decode(tokens, positions):  # (B,) each -> logits (B, V): one token a row
+        h = model.hidden_states(tokens[:, None], positions[:, None], cache, kv_len=cache.length)
+        return model.logits(h[:, 0])
+
+    sampler, batch = Sampler(), SamplingBatch([params] * B, prompts, cfg.vocab_size, device)
+    stop = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+    stop = torch.tensor(stop, dtype=torch.int64, device=device)
+    out = torch.empty(B, max_tokens, dtype=torch.int64, device=device)
+    ended = torch.zeros(B, dtype=torch.bool, device=device)
+    for i in range(max_tokens):
+        out[:, i] = tokens = sampler(logits, batch)[0]  # (B,)
+        ended |= torch.isin(tokens, stop)
+        if i + 1 == max_tokens or (i + 1) % EOS_CHECK_STEPS == 0 and bool(ended.all()):
+            break
+        if i == 0 and device.type == "cuda" and cuda_graph_decode:
+            decode = cuda_graph(decode, tokens, last + 1)
+        logits = decode(tokens, last + 1 + i)
+    generated, stop = [], set(stop.tolist())
+    for row in out[:, :i + 1].tolist():  # the one read back
+        end = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+        generated.append(row[:end])
+    return generated
+
+
+def _check_v1_request(prompts, params, cfg):
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+    if any(getattr(params, name) is not None for name in (*STRUCTURED_FIELDS, "logprobs")):
+        raise ValueError("engine v1 samples plain tokens: structured output and logprobs are "
+                         "the engine's (LLM.generate)")
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(
+            isinstance(p, (list, tuple)) and p and all(_is_int(t) and 0 <= t < cfg.vocab_size
+                                                       for t in p) for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of non-empty lists of token ids in "
+                         f"[0, {cfg.vocab_size})")
+    longest, limit = max(map(len, prompts)), cfg.max_position_embeddings
+    if longest + (params.max_tokens or 1) > limit:
+        raise ValueError(f"a prompt of {longest} tokens + max_tokens {params.max_tokens} is "
+                         f"beyond the model's context, {limit} positions")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2305,25 +2232,6 @@ def _wait_for_inputs(PDL: tl.constexpr):
         gdc_wait()
 
 
-@triton.jit
-def _add_rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ADD: tl.constexpr):
-    # One program a row. ADD: x += r first, rounded to x's dtype as torch's add rounds it and
-    # written back (x is the residual stream); then y = x * rstd * w, in fp32, rounded once.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * N + cols, mask=mask, other=0.0)
-    if ADD:
-        r = tl.load(R + row * N + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(X + row * N + cols, x, mask=mask)
-    x = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
-
-
 def add_rms_norm(x, residual, weight, eps):
     """x += residual (in place; residual None: nothing added), then RMSNorm(x) * weight -> a new
     tensor. x, residual (rows, N) contiguous, weight (N,)."""
@@ -2332,12 +2240,7 @@ def add_rms_norm(x, residual, weight, eps):
         _check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
-    n_rows, n = x.view(-1, x.shape[-1]).shape
-    y = torch.empty_like(x)
-    block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(n_rows,)](x, residual, weight, y, eps, N=n, BLOCK_N=block,
-                                    ADD=residual is not None, num_warps=min(16, max(1, block // 256)))
-    return y
+    return _launch_rms_norm(x, residual, weight, eps)
 
 
 @triton.jit
@@ -2861,7 +2764,7 @@ class RequestOutput:
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 25. The paged KV cache: blocks and block tables; chapter 31: prefix caching
+# Chapters 25 and 31. The paged KV cache (BlockManager): blocks, block tables, prefix caching
 # ----------------------------------------------------------------------------------------------
 # The model runner's cache is a pool of num_blocks blocks of block_size token slots, and each
 # sequence owns a block table: the ids of its blocks, in token order. Paging means no sequence
@@ -3038,7 +2941,7 @@ class BlockManager:
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 24. Continuous batching: the scheduler
+# Chapter 24. Continuous batching: the Scheduler
 # ----------------------------------------------------------------------------------------------
 # A static batch runs until its longest request ends: a request that finishes early leaves its
 # row idle, and a new one waits for the whole batch. Continuous batching (Orca, Yu et al. 2022)
@@ -3177,6 +3080,10 @@ class Scheduler:
     def _grammar_finished(seq):
         return seq.grammar is not None and seq.grammar.is_complete(seq.grammar_state)
 
+
+# ----------------------------------------------------------------------------------------------
+# Chapters 19 and 33. The ModelRunner: a step's tensors, its forward pass, its CUDA graphs
+# ----------------------------------------------------------------------------------------------
 
 class StepHandle:
     """A launched step: the positions it computed, and the tokens it sampled on their way to the
@@ -3673,6 +3580,10 @@ class Sampler:
         return logits.softmax(dim=-1)
 
 
+# ----------------------------------------------------------------------------------------------
+# Chapters 24 and 33. The LLMEngine: requests in, a step at a time, outputs out
+# ----------------------------------------------------------------------------------------------
+
 class LLMEngine:
     """Requests in, one step at a time, outputs out: add_request, step, abort. Stage 08's server
     drives these from its engine thread. A step is plain_step, or overlapped_step under async
@@ -3942,6 +3853,10 @@ class LLMEngine:
         return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
                              None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
 
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 24. The entry point: LLM, its knobs (EngineConfig) and the KV pool's size
+# ----------------------------------------------------------------------------------------------
 
 @dataclass
 class EngineConfig:
@@ -5217,8 +5132,14 @@ def grammar_vocab(tokenizer, vocab_size):
     return vocab + [None] * (vocab_size - len(vocab))
 
 
-# The bench (on a GPU): the kernel's GB/s against the copy bandwidth measured in the same run,
-# and its time against torch's scaled_dot_product_attention on the same cache.
+# ----------------------------------------------------------------------------------------------
+# Chapter 44. The benches (python 07_engine.py --bench)
+# ----------------------------------------------------------------------------------------------
+# Each bench prints a table, a row as soon as its figures are in (a run cut short still
+# reports), each row against the baseline measured in the same run: the copy bandwidth for the
+# attention kernels, transformers for the engine. They run on random weights in the shapes of
+# Qwen3-0.6B and Qwen3-8B (no download): speed depends on the shapes only. The harness: _ms and
+# _timed time, Table prints, gpu_only skips a bench without a GPU.
 
 _BENCH_BYTES = 256 * 2**20  # bytes per input tensor of the bandwidth benchmarks: far past the 50 MB L2
 
@@ -5238,39 +5159,84 @@ def _bench_copy_gbs():
     return gbs
 
 
-def bench_decode_attention(device, batch=64, context=4096, heads=(32, 8), head_dim=128,
-                           splits=(None, 1, 2, 4, 8)):
-    """Decode attention alone, bf16, every row `context` keys long (Qwen3-8B's heads by
-    default): GB/s of the cache read (K and V; q and the output are 1/context of it) against the
-    copy bandwidth, and speed against torch's SDPA, for the split rule's count and forced ones.
-    Returns {splits: fraction of copy bandwidth}, or None without a GPU."""
-    if device.type != "cuda":
-        print("decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not "
-              "speed); skipped")
-        return None
-    (Hq, Hkv), D = heads, head_dim
-    gen = torch.Generator(device).manual_seed(0)
-    q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
-               for shape in ((batch, Hq, D), (batch, Hkv, context, D), (batch, Hkv, context, D)))
-    lengths = torch.full((batch,), context, device=device, dtype=torch.int32)
-    copy_gbs = _bench_copy_gbs()
-    sdpa = functools.partial(F.scaled_dot_product_attention, q[:, :, None], k, v, enable_gqa=True)
-    expected = sdpa()[:, :, 0].float()  # (B, Hq, D)
-    err = ((decode_attention(q, k, v, lengths).float() - expected).norm() / expected.norm()).item()
-    sdpa_ms = _ms(sdpa)
-    print(f"decode attention, batch {batch}, context {context:,}, GQA {Hq}/{Hkv}, D={D}, bf16 "
-          f"({(k.nbytes + v.nbytes) / 2**20:,.0f} MiB of cache; against SDPA: rel err {err:.1e}; "
-          f"SDPA {sdpa_ms * 1e3:,.1f} µs; target 80% of copy)")
-    fractions = {}
-    for n in splits:
-        ms = _ms(lambda n=n: decode_attention(q, k, v, lengths, num_splits=n))
-        gbs = (k.nbytes + v.nbytes) / ms / 1e6
-        fractions[n] = gbs / copy_gbs
-        label = f"rule ({decode_splits(batch, Hkv, context, _num_sms(device))})" if n is None else n
-        print(f"  splits {label!s:>8}: {ms * 1e3:8.1f} µs {gbs:7,.0f} GB/s = "
-              f"{gbs / copy_gbs:4.0%} of copy, {sdpa_ms / ms:5.2f}x SDPA's speed")
-    return fractions
+def _timed(fn):
+    """Seconds of one call of fn after a first, untimed one (graph captures, compiling)."""
+    fn()
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
 
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def gpu_only(name, device):
+    """Whether a GPU bench can run; says why not, once, when it cannot."""
+    if device.type != "cuda":
+        print(f"{name} bench: needs a CUDA GPU (a CPU shows correctness, not speed); skipped")
+    return device.type == "cuda"
+
+
+class Table:
+    """A bench's table: a title, then a row at a time, each printed as it comes. columns:
+    (heading, width, format) each, e.g. ("tok/s", 8, ",.0f"); a value that is a string is
+    printed as it is."""
+
+    def __init__(self, title, columns):
+        self.columns = columns
+        print(f"\n{title}")
+        print("  " + " ".join(f"{heading:>{width}}" for heading, width, _ in columns))
+
+    def row(self, *values):
+        cells = [f"{v:>{width}}" if isinstance(v, str) else f"{v:>{width}{fmt}}"
+                 for v, (_, width, fmt) in zip(values, self.columns)]
+        print("  " + " ".join(cells), flush=True)
+
+
+BENCH_MODELS = {"Qwen3-0.6B": Qwen3Config(),
+                "Qwen3-8B": Qwen3Config(hidden_size=4096, intermediate_size=12288,
+                                        num_hidden_layers=36, num_attention_heads=32,
+                                        tie_word_embeddings=False)}
+
+
+def random_model(cfg, device, dtype, seed=0):
+    """A Qwen3 of shape cfg with random weights (std 0.02, norms 1), built on the device."""
+    with torch.device("meta"):
+        model = Qwen3(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.use_kernels(device.type == "cuda").eval()
+
+
+def hf_qwen3(cfg, device):
+    """transformers' Qwen3ForCausalLM with random bf16 weights of cfg's shape: the baseline of
+    the engine benches (the stage itself never imports transformers); None without it."""
+    try:
+        import transformers
+    except ImportError:
+        print("(transformers is not installed: its baseline figures are nan)")
+        return None
+    with torch.device(device):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return transformers.Qwen3ForCausalLM(
+                transformers.Qwen3Config.from_dict(cfg.to_hf())).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+
+# -- attention: the decode and paged kernels against the copy bandwidth -------------------------
 
 def _paged_copy(k, v, lengths, block_size, gen):
     """Contiguous caches k, v (B, Hkv, S, D) copied into pools (num_blocks, block_size, Hkv, D)
@@ -5293,53 +5259,55 @@ def _paged_copy(k, v, lengths, block_size, gen):
     return pools[0], pools[1], tables
 
 
-def bench_paged_decode(device, batch=256, heads=(16, 8), head_dim=128, block_size=16):
-    """Paged decode attention, bf16, pages of block_size keys in a random order in the pool:
-    (a) `batch` rows of mixed lengths, uniform in 100..2,048, GQA `heads`; (b) 64 rows of 4,096
-    keys, GQA 32/8 and 16/8. Each: GB/s of the cache read (each row's keys and values) against
-    the copy bandwidth, and speed against decode_attention on the same cache laid out
-    contiguously (target: 0.9x its speed or better), after checking the two agree. Returns
-    {case: {"rel_err", "paged_of_copy", "contiguous_of_copy", "speed"}}, or None without a
-    GPU."""
-    if device.type != "cuda":
-        print("paged decode bench: needs a CUDA GPU (the interpreter shows correctness, not "
-              "speed); skipped")
+def bench_attention(device, head_dim=128, block_size=16):
+    """Decode attention over a bf16 cache, one query a row: decode_attention on the contiguous
+    cache and paged_decode_attention on the same keys in pages of block_size in a random order,
+    each as a fraction of the copy bandwidth (the bytes of K and V read) and against torch's
+    SDPA; after checking the three agree. Cases: batch 64 of 4,096 keys with Qwen3-8B's heads
+    (32/8) and 0.6B's (16/8), batch 1 of 4,096 (where the keys are split), and batch 256 of
+    lengths uniform in 100..2,048. Returns {case: figures}, or None without a GPU."""
+    if not gpu_only("attention", device):
         return None
-    D = head_dim
-    gen = torch.Generator(device).manual_seed(0)
+    D, gen = head_dim, torch.Generator(device).manual_seed(0)
     copy_gbs = _bench_copy_gbs()
-    mixed = torch.randint(100, 2049, (batch,), device=device, generator=gen, dtype=torch.int32)
-    cases = {f"mixed 100..2,048, batch {batch}, GQA {heads[0]}/{heads[1]}": (mixed, heads)}
-    for Hq, Hkv in ((32, 8), (16, 8)):
-        full = torch.full((64,), 4096, device=device, dtype=torch.int32)
-        cases[f"4,096 keys, batch 64, GQA {Hq}/{Hkv}"] = (full, (Hq, Hkv))
-    print(f"paged decode attention, bf16, D={D}, pages of {block_size} keys in a random order "
-          f"(target: 80% of copy, 0.9x decode_attention's speed)")
+    full = lambda b: torch.full((b,), 4096, device=device, dtype=torch.int32)  # noqa: E731
+    cases = {"batch 64, 4,096 keys, GQA 32/8": (full(64), 32, 8),
+             "batch 64, 4,096 keys, GQA 16/8": (full(64), 16, 8),
+             "batch 1, 4,096 keys, GQA 32/8": (full(1), 32, 8),
+             "batch 256, 100..2,048 keys, GQA 16/8": (torch.randint(
+                 100, 2049, (256,), device=device, generator=gen, dtype=torch.int32), 16, 8)}
+    table = Table(f"decode attention, bf16, D={D}, against the copy bandwidth; paged: pages of "
+                  f"{block_size} in a random order (targets: 80% of copy, paged 0.9x contiguous)",
+                  [("case", 36, ""), ("MiB", 6, ",.0f"), ("splits", 6, "d"), ("rel err", 8, ".1e"),
+                   ("contig µs", 10, ",.1f"), ("of copy", 7, ".0%"), ("paged µs", 9, ",.1f"),
+                   ("of copy", 7, ".0%"), ("x contig", 8, ".2f"), ("x SDPA", 7, ".2f")])
     results = {}
-    for label, (lengths, (Hq, Hkv)) in cases.items():
+    for label, (lengths, Hq, Hkv) in cases.items():
         B, S = lengths.shape[0], int(lengths.max())
         q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
                    for shape in ((B, Hq, D), (B, Hkv, S, D), (B, Hkv, S, D)))
         k_cache, v_cache, tables = _paged_copy(k, v, lengths, block_size, gen)
-        paged = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lengths, S)
         contiguous = functools.partial(decode_attention, q, k, v, lengths, S)
-        expected = contiguous().float()
-        err = ((paged().float() - expected).norm() / expected.norm()).item()
+        paged = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lengths, S)
+        keys = torch.arange(S, device=device)[None, None, None] < lengths[:, None, None, None]
+        sdpa = functools.partial(F.scaled_dot_product_attention, q[:, :, None], k, v,
+                                 attn_mask=None if bool((lengths == S).all()) else keys,
+                                 enable_gqa=True)  # (B, Hq, 1, D)
+        expected = sdpa()[:, :, 0].float()
+        err = max(((f().float() - expected).norm() / expected.norm()).item()
+                  for f in (contiguous, paged))
         read = int(lengths.sum()) * Hkv * D * k.element_size() * 2  # bytes of K and V read
-        paged_ms, contiguous_ms = _ms(paged), _ms(contiguous)
-        of_copy = [read / ms / 1e6 / copy_gbs for ms in (paged_ms, contiguous_ms)]
-        results[label] = dict(rel_err=err, paged_of_copy=of_copy[0], contiguous_of_copy=of_copy[1],
-                              speed=contiguous_ms / paged_ms)
-        print(f"  {label} ({read / 2**20:,.0f} MiB read; against decode_attention: rel err "
-              f"{err:.1e}): {paged_ms * 1e3:8.1f} µs = {of_copy[0]:4.0%} of copy; contiguous "
-              f"{contiguous_ms * 1e3:8.1f} µs = {of_copy[1]:4.0%}; "
-              f"{contiguous_ms / paged_ms:4.2f}x its speed")
+        c_ms, p_ms, s_ms = _ms(contiguous), _ms(paged), _ms(sdpa)
+        of_copy = [read / ms / 1e6 / copy_gbs for ms in (c_ms, p_ms)]
+        splits = decode_splits(B, Hkv, S, _num_sms(device))
+        results[label] = dict(rel_err=err, contiguous_of_copy=of_copy[0], paged_of_copy=of_copy[1],
+                              paged_vs_contiguous=c_ms / p_ms, contiguous_vs_sdpa=s_ms / c_ms)
+        table.row(label, read / 2**20, splits, err, c_ms * 1e3, of_copy[0], p_ms * 1e3,
+                  of_copy[1], c_ms / p_ms, s_ms / c_ms)
     return results
 
 
-# ----------------------------------------------------------------------------------------------
-# Chapter 34. Structured output: the bench (compiling, a mask's first computation, a cached mask)
-# ----------------------------------------------------------------------------------------------
+# -- structured output: compiling, a mask's first computation, a cached mask --------------------
 
 QWEN3_VOCAB_SIZE = 151_936      # the model's vocabulary (rows of its embedding)
 QWEN3_REGULAR_TOKENS = 151_643  # its tokenizer's BPE tokens; then <|endoftext|>, <|im_start|>, ...
@@ -5375,10 +5343,10 @@ def synthetic_vocab(base_tokens, size=QWEN3_VOCAB_SIZE, n_regular=QWEN3_REGULAR_
 
 def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
                      n_regular=QWEN3_REGULAR_TOKENS, n_lookups=20_000, seed=0):
-    """Print what structured output costs on a Qwen3-sized vocabulary: compiling `schema`, a
-    state's mask the first time (median and max over every state of its automaton), and a
-    state's mask once seen (median and p99 over random lookups). Returns the three medians, in
-    seconds."""
+    """What structured output costs on a Qwen3-sized vocabulary (on the CPU, where it runs):
+    compiling `schema`, a state's mask the first time (median and max over every state of its
+    automaton), a state's mask once seen (median and p99 over random lookups). Returns the
+    three medians, in seconds."""
     def timed(fn, *args):  # (seconds, result)
         start = time.perf_counter()
         result = fn(*args)
@@ -5397,49 +5365,24 @@ def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
         masker.mask(state)
         hits.append((time.perf_counter_ns() - start) / 1e9)
     hits.sort()
-    print(f"structured output, {len(vocab):,}-token vocabulary (built in {vocab_s:.2f} s, its "
-          f"trie in {trie_s:.2f} s); the schema's DFA has {dfa.num_states} states")
-    print(f"  compile schema:          {statistics.median(compile_times) * 1e3:8.1f} ms "
-          f"(target 200 ms)")
-    print(f"  mask, first computation: {statistics.median(first) * 1e6:8.1f} µs median, "
-          f"{max(first) * 1e6:.0f} µs max over {len(first)} states")
-    print(f"  mask, state seen before: {statistics.median(hits) * 1e6:8.2f} µs median, "
-          f"{hits[int(0.99 * len(hits))] * 1e6:.2f} µs p99 (targets 100 µs, 1 ms)")
+    table = Table(f"structured output, {len(vocab):,}-token vocabulary (built in {vocab_s:.2f} s, "
+                  f"its trie in {trie_s:.2f} s); the schema's DFA has {dfa.num_states} states",
+                  [("", 24, ""), ("median", 10, ""), ("worst", 10, ""), ("target", 8, "")])
+    table.row("compile schema", f"{statistics.median(compile_times) * 1e3:.1f} ms",
+              f"{max(compile_times) * 1e3:.1f} ms", "200 ms")
+    table.row("mask, first computation", f"{statistics.median(first) * 1e6:.1f} µs",
+              f"{max(first) * 1e6:.0f} µs", "")
+    table.row("mask, state seen before", f"{statistics.median(hits) * 1e6:.2f} µs",
+              f"{hits[int(0.99 * len(hits))] * 1e6:.2f} µs", "100 µs")
     return statistics.median(compile_times), statistics.median(first), statistics.median(hits)
 
 
-# ----------------------------------------------------------------------------------------------
-# Chapter 19. Fast decode: the bench (tokens/s and bandwidth, against transformers)
-# ----------------------------------------------------------------------------------------------
-# Random bf16 weights in the shapes of Qwen3-0.6B and Qwen3-8B (no download): decode speed
-# depends on the shapes only. A step reads every weight once (the embedding only for the rows it
-# looks up, unless it is also the output layer) and each row's cache: those bytes over the step
-# time, against the copy bandwidth measured in the same run, are the fraction of the hardware's
-# limit. transformers' generate runs the same shapes in the same process, with its default
-# (dynamic) cache and with its static cache, for which generate compiles the forward pass with
-# torch.compile itself.
-
-BENCH_MODELS = {"Qwen3-0.6B": Qwen3Config(),
-                "Qwen3-8B": Qwen3Config(hidden_size=4096, intermediate_size=12288,
-                                        num_hidden_layers=36, num_attention_heads=32,
-                                        tie_word_embeddings=False)}
-
-
-def random_model(cfg, device, dtype, seed=0):
-    """A Qwen3 of shape cfg with random weights (std 0.02, norms 1), built on the device."""
-    with torch.device("meta"):
-        model = Qwen3(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model.use_kernels(device.type == "cuda").eval()
-
+# -- decode: tokens/s and bandwidth, against transformers' generate -----------------------------
+# A decode step reads every weight once (the embedding only for the rows it looks up, unless it
+# is also the output layer) and each row's cache: those bytes over the step's time, against the
+# copy bandwidth, are the fraction of the hardware's limit. transformers' generate runs the same
+# shapes in the same process, with its default (dynamic) cache and with its static cache, for
+# which it compiles the forward pass with torch.compile.
 
 def bytes_per_step(model, batch, context):
     """Bytes a decode step reads at least: the weights (of the embedding, only the rows looked up
@@ -5477,16 +5420,6 @@ def kernels_per_step(model, batch):
     return plain, fast
 
 
-def _timed(fn):
-    """Seconds of one call of fn after a first, untimed one (graph capture, compilation)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
     """LLM.generate of batch prompts of random ids, new_tokens each, greedy: tokens/s end to end
     (prefill included); the time of one decode step (s): that of new_tokens steps less that of
@@ -5509,15 +5442,10 @@ def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
 
 
 def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implementation):
-    """The same with transformers' Qwen3ForCausalLM.generate (random bf16 weights of cfg's shape)."""
-    import transformers  # the bench's baseline only: the stage itself does not need it
-    with torch.device(device):
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config.from_dict(cfg.to_hf()))
-            hf.eval()
-        finally:
-            torch.set_default_dtype(torch.float32)
+    """The same with transformers' generate (random bf16 weights of cfg's shape)."""
+    hf = hf_qwen3(cfg, device)
+    if hf is None:
+        return math.nan
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
@@ -5528,69 +5456,52 @@ def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implemen
 
 def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_tokens=128):
     """For each shape of BENCH_MODELS and batch size: generation tokens/s end to end (prefill
-    included), against transformers' generate in the same run; the time of a decode step (prefill
+    included) against transformers' generate in the same run; the time of a decode step (prefill
     excluded) and the bandwidth it implies; and the GPU's share of the step (its graph replayed
     back to back): the difference is host time, which async scheduling overlaps with the GPU's
-    work. Returns {(model, batch): {"plain": engine, "async": engine, "transformers": tokens/s,
-    "transformers_static": tokens/s}} with engine = {"tok_s", "of_copy", "step_us", "gpu_us"}
-    ("plain": async_scheduling off), or None without a GPU."""
-    if device.type != "cuda":
-        print("decode bench: needs a CUDA GPU; skipped")
+    work ("plain": async_scheduling off). Returns {(model, batch): {"plain": engine, "async":
+    engine, "transformers": tok/s, "transformers_static": tok/s}}, engine = {"tok_s", "of_copy",
+    "step_us", "gpu_us"}, or None without a GPU."""
+    if not gpu_only("decode", device):
         return None
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        transformers = None
-        print("(transformers is not installed: the baseline columns stay empty)")
     copy_gbs = _bench_copy_gbs()
-    print("tok/s: generation end to end, prefill included, as transformers' columns; step: one "
-          "decode step,\nprefill excluded, and the GB/s it reads; GPU: its graph replayed alone. "
-          "plain: async_scheduling off.")
     results = {}
     for name, cfg in BENCH_MODELS.items():
         model = random_model(cfg, device, torch.bfloat16)
         plain, fast = kernels_per_step(model, 1)
-        print(f"\n{name} shape, bf16, random weights ({model.num_params() / 1e9:.2f}B parameters): "
-              f"{plain} GPU ops a decode step on the model's path, {fast} on forward_packed")
-        print(f"  {'batch':>5} {'engine':>6} | {'tok/s':>7} {'GB/s':>6} {'of copy':>7} {'step':>7} "
-              f"{'GPU':>7} | transformers {'default':>8} {'static+compile':>14} | {'x best':>6}")
+        table = Table(f"decode, {name} shape, bf16, random weights ({model.num_params() / 1e9:.2f}B "
+                      f"parameters; {plain} GPU ops a decode step on the model's path, {fast} on "
+                      f"forward_packed): tok/s end to end, prefill included; step: one decode "
+                      f"step and the GB/s it reads; GPU: its graph replayed alone",
+                      [("batch", 5, "d"), ("engine", 6, ""), ("tok/s", 8, ",.0f"),
+                       ("GB/s", 6, ",.0f"), ("of copy", 7, ".0%"), ("step µs", 8, ",.0f"),
+                       ("GPU µs", 7, ",.0f"), ("HF tok/s", 9, ",.0f"), ("HF static", 9, ",.0f"),
+                       ("x best HF", 9, ".1f")])
         context = prompt_len + new_tokens // 2  # the average row length over the run
         for batch in batches:
             row = results[name, batch] = {}
+            for key, cache in (("transformers", None), ("transformers_static", "static")):
+                row[key] = transformers_rate(cfg, device, batch, prompt_len, hf_tokens, cache)
+                torch.cuda.empty_cache()
+            best = max(row["transformers"], row["transformers_static"])
             for mode in ("plain", "async"):
                 tok_s, step_s, replay_ms = engine_rate(model, batch, prompt_len, new_tokens,
                                                        mode == "async")
                 gbs = bytes_per_step(model, batch, context) / step_s / 1e9
                 row[mode] = dict(tok_s=tok_s, of_copy=gbs / copy_gbs, step_us=step_s * 1e6,
                                  gpu_us=replay_ms * 1e3)
+                table.row(batch, mode, tok_s, gbs, gbs / copy_gbs, step_s * 1e6, replay_ms * 1e3,
+                          row["transformers"], row["transformers_static"], tok_s / best)
         del model
         torch.cuda.empty_cache()
-        for batch in batches:
-            row = results[name, batch]
-            for key, cache in (("transformers", None), ("transformers_static", "static")):
-                row[key] = (transformers_rate(cfg, device, batch, prompt_len, hf_tokens, cache)
-                            if transformers else float("nan"))
-                torch.cuda.empty_cache()
-            best = max(row["transformers"], row["transformers_static"])
-            for mode in ("plain", "async"):
-                ours = row[mode]
-                theirs = (f"{row['transformers']:>8,.0f} {row['transformers_static']:>14,.0f}"
-                          if mode == "plain" else " " * 23)
-                print(f"  {batch:>5} {mode:>6} | {ours['tok_s']:>7,.0f} "
-                      f"{ours['of_copy'] * copy_gbs:>6,.0f} {ours['of_copy']:>7.0%} "
-                      f"{ours['step_us']:>5,.0f}us {ours['gpu_us']:>5,.0f}us | {'':>12} {theirs} | "
-                      f"{ours['tok_s'] / best:>5.1f}x", flush=True)
     return results
 
 
-# ----------------------------------------------------------------------------------------------
-# Chapters 24, 25, 31 and 33: the bench (offline throughput, prefix caching, the GPU's idle time)
-# ----------------------------------------------------------------------------------------------
+# -- offline throughput, prefix caching, the GPU's idle time --------------------------------------
 # nano-vllm's benchmark workload: 256 requests whose prompt and output lengths are uniform in
 # 100..1,024 tokens, sampled at temperature 0.6 without stopping at eos, on Qwen3-0.6B's shape.
 # Most of its time is decode steps of a couple of hundred sequences, which read, per step, the
-# weights once (1.2 GB) and every sequence's keys and values (112 KiB a token: ~25 GB at 256
-# sequences of ~900 tokens): the paged decode kernel decides it.
+# weights once and every sequence's keys and values: the paged decode kernel decides it.
 
 def throughput_workload(vocab_size, n=256, low=100, high=1024, seed=0, shared=0.0):
     """[(prompt ids, output length)]: prompt and output lengths uniform in low..high. shared: the
@@ -5610,10 +5521,10 @@ def run_workload(llm, requests, temperature=0.6):
     prompt tokens)."""
     params = [SamplingParams(temperature=temperature, max_tokens=out, ignore_eos=True)
               for _, out in requests]
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     outputs = llm.generate([prompt for prompt, _ in requests], params)
-    torch.cuda.synchronize()
+    _sync()
     seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == out for o, (_, out) in zip(outputs, requests))
     return seconds, sum(out for _, out in requests), sum(len(p) for p, _ in requests)
@@ -5639,14 +5550,9 @@ def gpu_idle_fraction(llm, batch=128, prompt_len=256, new_tokens=64):
 def transformers_throughput(cfg, device, requests, temperature=0.6):
     """The workload through transformers' own continuous batching (its paged attention over
     SDPA), random bf16 weights of cfg's shape: (seconds, output tokens)."""
-    import transformers  # the bench's baseline only
-    with torch.device(device):
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config.from_dict(cfg.to_hf()))
-        finally:
-            torch.set_default_dtype(torch.float32)
-    hf.eval().set_attn_implementation("paged|sdpa")
+    import transformers
+    hf = hf_qwen3(cfg, device)
+    hf.set_attn_implementation("paged|sdpa")
     config = transformers.GenerationConfig(do_sample=True, temperature=temperature, top_k=0,
                                            top_p=1.0, max_new_tokens=max(o for _, o in requests),
                                            eos_token_id=None, pad_token_id=0)
@@ -5673,14 +5579,12 @@ def transformers_throughput(cfg, device, requests, temperature=0.6):
 
 def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8192,
                      baseline_requests=64, runs=2):
-    """Offline throughput on the workload above (Qwen3-0.6B shape, random bf16 weights): output
-    and total tokens/s of the engine (the best of `runs`); the same workload with half of each
-    prompt shared, prefix caching on and off; the GPU's idle fraction over decode steps with
-    async scheduling on and off; and against transformers' continuous batching in the same run,
-    on the workload's first baseline_requests requests (all 256 would take it minutes; 0: not
-    run). Returns the figures, or None without a GPU."""
-    if device.type != "cuda":
-        print("throughput bench: needs a CUDA GPU; skipped")
+    """Offline throughput on the workload above: output and total tokens/s of the engine (the
+    best of `runs`); the same workload with half of each prompt shared, prefix caching on and
+    off; the GPU's idle fraction over decode steps, async scheduling on and off; and against
+    transformers' continuous batching in the same run on the first baseline_requests requests
+    (all 256 would take it minutes; 0: not run). Returns the figures, or None without a GPU."""
+    if not gpu_only("throughput", device):
         return None
     cfg = BENCH_MODELS["Qwen3-0.6B"]
     model = random_model(cfg, device, torch.bfloat16)
@@ -5691,18 +5595,18 @@ def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8
     warm_up = [(p, 1 + i) for i, (p, _) in enumerate(throughput_workload(cfg.vocab_size, n, low,
                                                                          high, seed=1))]
     knobs = dict(max_model_len=2 * high, max_num_batched_tokens=max_num_batched_tokens)
-    print(f"\noffline throughput: Qwen3-0.6B shape, bf16, random weights; {n} requests, prompt "
-          f"and output lengths uniform in {low}..{high:,}, temperature 0.6, ignore_eos; the best "
-          f"of {runs} runs")
-    print(f"  {'':<36} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12} {'prefix hits':>12}")
+    table = Table(f"offline throughput: Qwen3-0.6B shape, bf16, random weights; {n} requests, "
+                  f"prompt and output lengths uniform in {low}..{high:,}, temperature 0.6, "
+                  f"ignore_eos; the best of {runs} runs",
+                  [("", 36, ""), ("seconds", 8, ".2f"), ("output tok/s", 13, ",.0f"),
+                   ("total tok/s", 12, ",.0f"), ("prefix hits", 12, ".0%")])
     results = {}
     for name, reqs, caching in (("engine", requests, True),
                                 ("half of each prompt shared", shared, True),
                                 ("the same, prefix caching off", shared, False)):
         llm = LLM(model, enable_prefix_caching=caching, **knobs)
         run_workload(llm, warm_up)
-        blocks = llm.engine.block_manager
-        best = None
+        blocks, best = llm.engine.block_manager, None
         for _ in range(runs):
             blocks.reset_prefix_cache()
             blocks.reset_stats()
@@ -5712,8 +5616,7 @@ def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8
         seconds, hits = best
         results[name] = dict(seconds=seconds, output_tok_s=out / seconds,
                              total_tok_s=(out + prompt) / seconds, prefix_hit_rate=hits)
-        print(f"  {name:<36} {seconds:>8.2f} {out / seconds:>13,.0f} "
-              f"{(out + prompt) / seconds:>12,.0f} {hits:>12.0%}", flush=True)
+        table.row(name, seconds, out / seconds, (out + prompt) / seconds, hits)
         del llm, blocks
         torch.cuda.empty_cache()
     on, off = results["half of each prompt shared"], results["the same, prefix caching off"]
@@ -5723,7 +5626,7 @@ def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8
         llm = LLM(model, async_scheduling=mode, **knobs)
         idle = results[f"idle_async_{mode}"] = gpu_idle_fraction(llm)
         print(f"  GPU idle over decode steps of 128 sequences, async scheduling "
-              f"{'on ' if mode else 'off'}: {idle:.1%}")
+              f"{'on ' if mode else 'off'}: {idle:.1%}", flush=True)
         del llm
         torch.cuda.empty_cache()
     if baseline_requests:
@@ -5745,6 +5648,8 @@ def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8
     return results
 
 
+# -- speculative decoding against plain decoding ------------------------------------------------
+
 class RejectedProposer(Proposer):
     """n-gram lookup's worst case, for the bench: k random tokens a step, which the target
     rejects (one in the vocabulary's size accepted), and which cost nothing to propose."""
@@ -5758,27 +5663,26 @@ class RejectedProposer(Proposer):
 
 
 def speculative_rate(model, prompts, params, speculative=None, proposer=None):
-    """(output tokens/s, mean accepted drafts a verified sequence, steps) of generating prompts
-    with one LLM, the best of two runs after a warm-up run of the same; proposer: one in place
-    of speculative's."""
+    """(output tokens/s, mean accepted drafts a verified sequence) of generating prompts with one
+    LLM, the best of two runs after a warm-up run of the same; proposer: one in place of
+    speculative's."""
     llm = LLM(model, max_model_len=1024, max_num_seqs=len(prompts), num_kv_blocks=len(prompts) * 64,
               speculative=speculative)
     if proposer is not None:
         llm.engine.speculator.proposer = proposer
     llm.generate(prompts, params)  # warm-up: graphs, tiles
-    sync = torch.cuda.synchronize if _device_of(model).type == "cuda" else (lambda: None)
     best = None
     for _ in range(2):
         before = dict(llm.engine.counts)
-        sync()
+        _sync()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
-        sync()
+        _sync()
         rate = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
         counts = {k: v - before.get(k, 0) for k, v in llm.engine.counts.items()}
         accepted = counts.get("accepted", 0) / max(1, counts.get("verified", 0))
         if best is None or rate > best[0]:
-            best = rate, accepted, counts.get("steps", 0)
+            best = rate, accepted
     return best
 
 
@@ -5792,43 +5696,40 @@ def bench_speculative(device, batches=(1, 32), k=4, prompt_len=128, new_tokens=2
     off, and n-gram sampled at temperature 1 (nothing repeats, nothing is proposed). The
     break-even: the accepted drafts a step at which a verified step, as slow as the worst case's,
     yields as many tokens a second as plain decoding. Returns the table, or None without a GPU."""
-    if device.type != "cuda":
-        print("speculative decoding bench: needs a CUDA GPU; skipped")
+    if not gpu_only("speculative decoding", device):
         return None
     cfg = BENCH_MODELS["Qwen3-0.6B"]
     model = random_model(cfg, device, torch.bfloat16)
     other = random_model(cfg, device, torch.bfloat16, seed=1)  # a draft that agrees with nothing
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+    always = dict(num_tokens=k, min_accepted=0)
     cases = [("plain, greedy", None, greedy),
-             ("draft = target", {"method": "draft", "model": model, "num_tokens": k,
-                                 "min_accepted": 0}, greedy),
-             ("random draft (always on)", {"method": "draft", "model": other, "num_tokens": k,
-                                           "min_accepted": 0}, greedy),
+             ("draft = target", {"method": "draft", "model": model, **always}, greedy),
+             ("random draft (always on)", {"method": "draft", "model": other, **always}, greedy),
              ("n-gram, greedy", {"method": "ngram", "num_tokens": k}, greedy),
-             ("n-gram rejected (always on)", {"method": "ngram", "num_tokens": k,
-                                              "min_accepted": 0}, greedy),
+             ("n-gram rejected (always on)", {"method": "ngram", **always}, greedy),
              ("n-gram rejected", {"method": "ngram", "num_tokens": k}, greedy),
              ("plain, sampled", None, sampled),
              ("n-gram, sampled", {"method": "ngram", "num_tokens": k}, sampled)]
-    print(f"\nspeculative decoding, Qwen3-0.6B shape, random bf16 weights, k = {k}, prompts of "
-          f"{prompt_len} random tokens, {new_tokens} new tokens each")
+    table = Table(f"speculative decoding, Qwen3-0.6B shape, random bf16 weights, k = {k}, "
+                  f"prompts of {prompt_len} random tokens, {new_tokens} new tokens each",
+                  [("batch", 5, "d"), ("", 28, ""), ("tok/s", 8, ",.0f"), ("x plain", 8, ""),
+                   ("accepted/step", 14, ".2f")])
     results = {}
     for batch in batches:
         prompts = random_prompts(cfg.vocab_size, [prompt_len] * batch, seed=batch)
-        print(f"  batch {batch}: {'':<26} {'tok/s':>8} {'x plain':>8} {'accepted/step':>14}")
         for name, spec, params in cases:
             proposer = RejectedProposer(cfg.vocab_size) if "rejected" in name else None
-            rate, accepted, steps = speculative_rate(model, prompts, params, spec, proposer)
+            rate, accepted = speculative_rate(model, prompts, params, spec, proposer)
             plain = results.get((batch, "plain, " + ("greedy" if params is greedy else "sampled")))
-            ratio = f"{rate / plain[0]:>7.2f}x" if plain else f"{'':>8}"
             results[batch, name] = (rate, accepted)
-            print(f"  {'':>9}{name:<28} {rate:>8,.0f} {ratio} {accepted:>14.2f}", flush=True)
+            table.row(batch, name, rate, f"{rate / plain[0]:.2f}x" if plain else "", accepted)
         plain = results[batch, "plain, greedy"][0]
         # a verified step costs what the worst case's does and yields 1 + a tokens
-        print(f"  {'':>9}break-even, accepted drafts a step: draft model "
+        print(f"  batch {batch}: break-even at accepted drafts a step of: draft model "
               f"{plain / results[batch, 'random draft (always on)'][0] - 1:.2f}, n-gram "
-              f"{plain / results[batch, 'n-gram rejected (always on)'][0] - 1:.2f}")
+              f"{plain / results[batch, 'n-gram rejected (always on)'][0] - 1:.2f}", flush=True)
     return results
 
 
@@ -6114,14 +6015,19 @@ def show_continuous_batching(llm, seed, n=6):
                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     print(f"\ncontinuous batching: {n} requests (prompt+max_tokens: "
           f"{', '.join(f'{len(p)}+{m}' for p, m in requests)}), at most 4 sequences and 24 tokens "
-          f"a step, {engine.block_manager.num_blocks} KV blocks of 4 tokens")
+          f"a step, {engine.block_manager.num_blocks} KV blocks of 4 tokens; each step: the "
+          f"requests it ran and their tokens")
     outputs, lines = {}, []
     while engine.has_unfinished():
+        preempted = engine.scheduler.num_preemptions
         for out in engine.step():
             outputs[out.request_id] = out
         ran = " ".join(f"{seq.request_id}{n}" for seq, n in engine.last_batch)
-        lines.append(f"{ran:<24} waiting {len(engine.scheduler.waiting)}, preempted "
-                     f"{engine.scheduler.num_preemptions}")
+        preempted = engine.scheduler.num_preemptions - preempted
+        lines.append(f"{ran:<24} waiting {len(engine.scheduler.waiting)}"
+                     + (f", {preempted} preempted" if preempted else "")
+                     + ("" if ran else "  (reads the last step's tokens: async scheduling runs "
+                                       "a step ahead)"))
     for step, line in enumerate(lines):
         print(f"  step {step:>2}: {line}")
     alone = [small.generate([prompt], SamplingParams(temperature=0, max_tokens=m,
@@ -6187,7 +6093,7 @@ def fraction(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a Hugging Face Qwen3 directory, or a Hub id such as "
                         "Qwen/Qwen3-0.6B (default: a tiny random Qwen3 in a temporary directory)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -6214,10 +6120,10 @@ def parse_args(argv=None):
                         help="give each prompt as a user turn in Qwen3's chat format")
     parser.add_argument("--bench", action="store_true",
                         help="instead: what structured output costs on a Qwen3-sized vocabulary "
-                        "(compiling a schema, a state's first mask, a cached mask) and, on a "
-                        "GPU, the attention kernels' share of copy bandwidth, decode tokens/s of "
-                        "Qwen3-0.6B and 8B shapes against transformers, offline throughput "
-                        "against transformers' continuous batching, and speculative decoding")
+                        "and, on a GPU, the attention kernels against copy bandwidth and SDPA, "
+                        "decode tokens/s of Qwen3-0.6B and 8B shapes against transformers, "
+                        "offline throughput against transformers' continuous batching, and "
+                        "speculative decoding")
     parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
                         "the random model's (default: data/)")
     args = parser.parse_args(argv)
@@ -6227,53 +6133,106 @@ def parse_args(argv=None):
 
 def check_args(parser, args):
     """Every flag checked before any work (a download, a load) starts."""
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: this stage runs on cpu or cuda (cuda:N for a GPU "
+                     f"of several)")
     try:
         device = torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f"--device {args.device}: {e}")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device {args.device}: this stage runs on cpu or cuda")
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device; this stage runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA GPU")
-    if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
-        parser.error(f"--data-dir {args.data_dir} is a file, not a directory")
+    if args.data_dir is not None:
+        check_data_dir(parser, args.data_dir)
     if not args.prompt.strip():
         parser.error("--prompt is empty")
     if args.bench and args.model is not None:
         parser.error("--model does not apply to --bench, which needs no model")
     if args.model is not None:
+        if not args.model.strip():
+            parser.error("--model is empty: give a directory or a Hub id, or leave it out for "
+                         "the tiny random model")
         path = Path(args.model)
         if path.exists() and not path.is_dir():
             parser.error(f"--model {args.model} is a file; give the directory that holds it")
         if not path.exists() and not HUB_ID.fullmatch(args.model):
             parser.error(f"--model {args.model}: no such directory, and not a Hub id such as "
                          f"Qwen/Qwen3-0.6B")
+        if path.is_dir() and (path / "config.json").is_file():  # its context, before the weights
+            context = Qwen3Config.from_json(path / "config.json").max_position_embeddings
+            check_max_tokens(parser, args.max_tokens, context)
+    else:
+        check_max_tokens(parser, args.max_tokens, Qwen3Config.tiny().max_position_embeddings)
+
+
+def check_data_dir(parser, data_dir):
+    """--data-dir must be a directory, or one that can be made: made to see, then removed (a
+    download makes it again, when it has something to put there)."""
+    path = Path(data_dir)
+    if path.exists() and not path.is_dir():
+        parser.error(f"--data-dir {data_dir} is a file, not a directory")
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--data-dir {data_dir}: cannot be made ({e.strerror or e})")
+    for folder in made:
+        folder.rmdir()
+
+
+def check_max_tokens(parser, max_tokens, context):
+    if max_tokens >= context:
+        parser.error(f"--max-tokens {max_tokens}: the model's context is {context:,} positions, "
+                     f"prompt included")
+
+
+def demo_llm(args):
+    """The LLM of --model, or of a tiny random Qwen3 written to a temporary directory with a
+    tokenizer made from GPT-2's (demo_tokenizer). The tiny model runs on one CPU thread: it gains
+    nothing from a second, and on a busy machine waits for it (10x slower on a 2-core one)."""
+    device = torch.device(args.device)
+    if args.model is None and device.type == "cpu":
+        torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
+        source = args.model or random_checkpoint(demo_tokenizer(tmp, args.data_dir), args.seed)
+        return LLM(source, device=device, dtype=MODEL_DTYPES.get(args.dtype),
+                   max_num_seqs=args.batch_size, data_dir=args.data_dir)
+
+
+def show_the_model(llm, prompts, args):
+    """Chapters 16-19: what was loaded; the engine's cached path against full recomputation;
+    engine v1 against the engine; the Triton kernels against their torch twins."""
+    describe(llm, args.model)
+    check_against_recompute(llm, prompts, args.max_tokens)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    v1 = generate(llm.model, prompts, greedy)
+    same = v1 == [out.token_ids for out in llm.generate(prompts, greedy)]
+    print(f"engine v1 (a static batch over a KVCache) vs the engine (a paged cache, "
+          f"continuous batching): greedy tokens {'identical' if same else 'DIFFERENT'}")
+    if _device_of(llm.model).type == "cuda" or (INTERPRET and args.model is None):
+        check_kernels(llm.model, prompts)
+    else:  # the interpreter would take minutes on a real model
+        print("(Triton kernels not checked: that needs a GPU, or on a CPU Triton's interpreter and "
+              "the built-in tiny model)")
+
+
+def run_benches(args):
+    device = torch.device(args.device)
+    bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
+    bench_attention(device)
+    bench_engine(device)
+    bench_throughput(device)
+    bench_speculative(device)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.bench:
-        bench_structured(read_ranks(data_file("gpt2.tiktoken", args.data_dir)))
-        bench_decode_attention(torch.device(args.device))
-        bench_paged_decode(torch.device(args.device))
-        bench_engine(torch.device(args.device))
-        bench_throughput(torch.device(args.device))
-        bench_speculative(torch.device(args.device))
+        run_benches(args)
         return
-    device = torch.device(args.device)
-    with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
-        source = args.model or random_checkpoint(demo_tokenizer(tmp, args.data_dir), args.seed)
-        llm = LLM(source, device=device, dtype=MODEL_DTYPES.get(args.dtype),
-                  max_num_seqs=args.batch_size, data_dir=args.data_dir)
-    describe(llm, args.model)
-    torch.manual_seed(args.seed)
+    llm = demo_llm(args)
     prompts = demo_prompts(llm, args)
-    check_against_recompute(llm, prompts, args.max_tokens)
-    if device.type == "cuda" or (INTERPRET and args.model is None):
-        check_kernels(llm.model, prompts)
-    else:  # the interpreter would take minutes on a real model
-        print("(Triton kernels not checked: that needs a GPU, or on a CPU Triton's interpreter and "
-              "the built-in tiny model)")
+    show_the_model(llm, prompts, args)
     show_generations(llm, prompts, args)
     show_structured(llm, prompts[0], args)
     show_continuous_batching(llm, args.seed)

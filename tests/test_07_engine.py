@@ -999,6 +999,55 @@ def test_cached_steps_equal_full_recomputation(q7, hf_dir):
                                rtol=0, atol=1e-5)
 
 
+@torch.no_grad()
+def test_engine_v1_greedy_equals_transformers(q7, hf_dir):
+    """Engine v1's static batch of ragged prompts (right-padded prefill, decode over the cache,
+    each row at its own position) against transformers' greedy generate of each prompt alone;
+    a stop id ends its row with the id included, the other rows run on."""
+    hf, folder = hf_dir
+    model = q7.load_qwen3(folder, device="cpu")
+    prompts = [*PROMPTS, random_ids(1, seed=4)]
+    expected = [hf_greedy(hf, p, 9) for p in prompts]
+    greedy = q7.SamplingParams(temperature=0, max_tokens=9)
+    assert q7.generate(model, prompts, greedy) == expected
+    stop = expected[1][4]  # row 1's fifth token: it ends there, eos included
+    ended = q7.generate(model, prompts, greedy, eos_token_ids=[stop])
+    cut = [row[:row.index(stop) + 1] if stop in row else row for row in expected]
+    assert ended == cut and len(ended[1]) <= 5
+    ignored = q7.SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    assert q7.generate(model, prompts, ignored, eos_token_ids=[stop]) == expected
+
+
+def test_engine_v1_samples_as_the_engine_does(q7, hf_dir):
+    """Seeded sampling with penalties and filters: each row's tokens equal LLM.generate's for
+    the same request (the same Sampler and per-request random stream), and a row drawn alone
+    equals the same row in the batch."""
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    llm = q7.LLM(model, max_model_len=40)
+    params = q7.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2,
+                               presence_penalty=0.5, seed=7, max_tokens=10, ignore_eos=True)
+    batch = q7.generate(model, PROMPTS, params)
+    assert batch == [out.token_ids for out in llm.generate(PROMPTS, params)]
+    assert q7.generate(model, PROMPTS[1:2], params) == batch[1:2]
+    assert len(set(map(tuple, batch))) == 3
+
+
+def test_engine_v1_refuses_what_it_cannot_do(q7, hf_dir):
+    model = q7.load_qwen3(hf_dir[1], device="cpu")
+    cases = [([[1, 2]], q7.SamplingParams(regex="a+"), ValueError, "structured output and "
+              "logprobs are the engine's"),
+             ([[1, 2]], q7.SamplingParams(logprobs=1), ValueError, "logprobs are the engine's"),
+             ([], None, ValueError, "prompts must be a non-empty list"),
+             ([[]], None, ValueError, "prompts must be a non-empty list of non-empty lists"),
+             ([[131]], None, ValueError, r"token ids in \[0, 131\)"),
+             ([[1] * 60], q7.SamplingParams(max_tokens=5), ValueError,
+              r"a prompt of 60 tokens \+ max_tokens 5 is beyond the model's context, 64"),
+             ([[1]], {"temperature": 0}, TypeError, "params must be a SamplingParams")]
+    for prompts, params, error, message in cases:
+        with pytest.raises(error, match=message):
+            q7.generate(model, prompts, params)
+
+
 def test_model_checks_its_inputs(q7, hf_dir):
     model = q7.load_qwen3(hf_dir[1], device="cpu")
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 131\), got ids from 0 to 131"):
@@ -1279,17 +1328,18 @@ def test_cached_decode_on_the_kernel_matches_the_torch_path(q7, hf_dir, monkeypa
     assert seen == [([8 + i, 5 + i], 8 + i) for i in range(4) for _ in range(layers)]
 
 
-def test_bench_decode_attention_needs_a_gpu(q7, monkeypatch, capsys):
-    """--bench runs the decode-attention and decode benches after the structured-output one;
-    without CUDA they say so and time nothing."""
+def test_the_gpu_benches_need_a_gpu(q7, monkeypatch, capsys):
+    """--bench runs the attention, decode, throughput and speculation benches after the
+    structured-output one; without CUDA each says so and times nothing."""
     monkeypatch.setattr(q7, "bench_structured", lambda *a, **k: print("structured bench ran"))
     monkeypatch.setattr(q7, "decode_attention", lambda *a, **k: pytest.fail("timed on a CPU"))
     monkeypatch.setattr(q7, "random_model", lambda *a, **k: pytest.fail("built on a CPU"))
     q7.main(["--bench", "--device", "cpu"])
     out = capsys.readouterr().out
-    assert out.index("structured bench ran") < out.index(
-        "decode attention bench: needs a CUDA GPU (the interpreter shows correctness, not speed); "
-        "skipped") < out.index("decode bench: needs a CUDA GPU; skipped")
+    skipped = [out.index(f"{name} bench: needs a CUDA GPU (a CPU shows correctness, not speed); "
+                         f"skipped") for name in ("attention", "decode", "throughput",
+                                                  "speculative decoding")]
+    assert out.index("structured bench ran") < skipped[0] and skipped == sorted(skipped)
 
 
 # -- fast decode: fused kernels and CUDA graphs ------------------------------------------------
@@ -2435,10 +2485,11 @@ def test_main_on_a_tiny_random_model(q7, capsys):
     structured = re.findall(r"^  (choice|regex|json_schema) .*\n    -> .* \(stop, \d+ tokens; valid\)$",
                             out, re.MULTILINE)
     assert structured == ["choice", "regex", "json_schema"], out
-    steps = re.findall(r"^  step +\d+: ((?:[A-F]\d+ )+) +waiting (\d), preempted (\d)$", out,
+    steps = re.findall(r"^  step +\d+: ((?:[A-F]\d+ )+) +waiting (\d)(?:, (\d) preempted)?$", out,
                        re.MULTILINE)
     assert len(steps) > 6 and all(sum(int(n) for n in re.findall(r"\d+", ran)) <= 24 and
                                   len(ran.split()) <= 4 for ran, _, _ in steps), out
+    assert sum(int(n or 0) for _, _, n in steps) >= 1, out  # the small pool preempts
     assert "their greedy outputs: identical to each request alone; every block free at the end: " \
            "True" in out
     speed = re.search(r"engine on cpu: ([\d,]+) tokens/s \(3 sequences x 5 tokens", out)
@@ -2514,6 +2565,12 @@ BAD_FLAGS = [
     (["--seed", "-3"], "must be an integer >= 0"),
     (["--prompt", " "], "--prompt is empty"),
     (["--bench", "--model", "/no/such/dir"], "--model does not apply to --bench"),
+    (["--model", ""], "--model is empty"),
+    (["--model", " "], "--model is empty"),
+    (["--max-tokens", "100000"], "--max-tokens 100000: the model's context is 256 positions"),
+    (["--device", "tpu"], r"--device tpu: this stage runs on cpu or cuda \(cuda:N"),
+    (["--device", "cuda:x"], "--device cuda:x: not a device"),
+    (["--data-dir", "/dev/null/cache"], "--data-dir /dev/null/cache: cannot be made"),
 ]
 
 
@@ -2521,6 +2578,22 @@ BAD_FLAGS = [
 def test_a_bad_flag_stops_main_before_any_work(q7, monkeypatch, capsys, tmp_path, argv, message):
     never = ("LLM", "random_checkpoint", "download_model", "bench_structured", "fetch")
     check_bad_flag(q7, argv, message, never, monkeypatch, capsys, tmp_path)
+
+
+def test_max_tokens_is_checked_against_a_models_context_before_its_weights(q7, hf_dir,
+                                                                           monkeypatch, capsys):
+    monkeypatch.setattr(q7, "load_qwen3", lambda *a, **k: pytest.fail("the weights loaded"))
+    with pytest.raises(SystemExit):
+        q7.main(["--model", str(hf_dir[1]), "--device", "cpu", "--max-tokens", "64"])
+    assert "--max-tokens 64: the model's context is 64 positions" in capsys.readouterr().err
+
+
+def test_help_describes_the_stage_in_whole_sentences(q7, capsys):
+    with pytest.raises(SystemExit):
+        q7.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    first = " ".join(q7.__doc__.split("\n\n")[0].split())
+    assert first in help_text and first.endswith(".")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -3764,6 +3837,9 @@ def check_on_the_gpu(q7, hf, folder):
     outputs = llm.generate(PROMPTS, q7.SamplingParams(temperature=0, max_tokens=10))
     for prompt, out in zip(PROMPTS, outputs):
         assert out.token_ids == hf_greedy(hf, prompt, 10)
+    # engine v1 on the kernels, its decode steps replayed from a CUDA graph
+    v1 = q7.generate(llm.model, PROMPTS, q7.SamplingParams(temperature=0, max_tokens=10))
+    assert v1 == [out.token_ids for out in outputs]
     bf16 = q7.load_qwen3(folder, device="cuda", dtype=torch.bfloat16)
     logits = bf16(torch.tensor([PROMPTS[2] + PROMPTS[0]], device="cuda")).float().cpu()
     assert ((logits - expected).norm() / expected.norm()).item() < 3e-2
@@ -3789,6 +3865,21 @@ def test_gpu_decode_attention_at_scale(q7):
     for splits in (None, 1, 7, 64):
         out = q7.decode_attention(q, k, v, lengths, num_splits=splits).float()
         assert ((out - expected).norm() / expected.norm()).item() < 1e-2, splits
+
+
+@pytest.mark.gpu
+def test_gpu_engine_v1_graph_equals_its_plain_loop(q7):
+    """Engine v1's decode steps replayed from a CUDA graph give its plain loop's tokens exactly,
+    greedy and seeded (bf16, the real head size, ragged prompts)."""
+    model = small_cuda_model(q7, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (20, 3, 17, 9)]
+    for params in (q7.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                   q7.SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=24,
+                                     ignore_eos=True)):
+        graphed = q7.generate(model, prompts, params)
+        assert graphed == q7.generate(model, prompts, params, cuda_graph_decode=False)
+        assert all(len(row) == 24 for row in graphed)
 
 
 @pytest.mark.gpu
