@@ -5627,10 +5627,11 @@ def chat_logprobs_asked(body):
 #   request open), and ("ready",) once it has the tokenizer.
 # - engine -> HTTP process: ("ready", tokenizer, max_model_len, vocab_size), ("load failed",
 #   message), ("engine failed",), ("stop",), and ("events", [...], the engine's state): the
-#   answers to adds before a step, its tokens after it; the events being ("accepted", job id),
-#   ("refused", job id, message), ("failed", job id, status, message) and ("tokens", engine
-#   request id, new token ids, their logprobs, finish_reason or None, the eos or stop id that
-#   ended it or None): a step's new tokens, never the whole output again.
+#   answers to adds before a step, its tokens after it, or none when only the state changed
+#   (an abort); the events being ("accepted", job id), ("refused", job id, message),
+#   ("failed", job id, status, message) and ("tokens", engine request id, new token ids, their
+#   logprobs, finish_reason or None, the eos or stop id that ended it or None): a step's new
+#   tokens, never the whole output again.
 # Only plain data crosses from the HTTP side (lists, dicts, strings, numbers), so that the
 # engine's process can read it whatever name it gave this file's module.
 
@@ -5670,6 +5671,7 @@ class EngineThread:
     def __init__(self, llm, conn, send, on_ready):
         self.engine, self.conn, self.send, self.on_ready = llm.engine, conn, send, on_ready
         self.live = {}
+        self.state_sent = None  # the engine's state as the HTTP process last heard it
         self.http_idle, self.stopping = True, threading.Event()
         self.wake_reader, self.wake_writer = socket.socketpair()  # (stop() wakes a blocked wait)
         self.idle, self.idle_changed = False, threading.Condition()
@@ -5753,8 +5755,14 @@ class EngineThread:
         return commands
 
     def _send_events(self, events):
-        if events:
-            self.send(("events", events, self._state()))
+        """Send the events with the engine's state; without events, the state alone if it has
+        changed since it was last sent. An abort frees its blocks with no step after it when
+        nothing else runs, and /metrics must not show the state before the abort until the
+        next request makes the engine step."""
+        state = self._state()
+        if events or state != self.state_sent:
+            self.send(("events", events, state))
+            self.state_sent = state
 
     def _idle(self, events, idle):
         self.http_idle = idle

@@ -896,6 +896,32 @@ def test_metrics_count_what_was_served(client, llm, server):
     assert scrape(client)["serve_prefix_cache_hit_rate"] > 0
 
 
+def test_metrics_describe_the_engine_after_a_disconnect(q8, server, client, llm, monkeypatch):
+    """A stream whose client hangs up mid-way is aborted, and no other request makes the engine
+    step again: the gauges still come down to the engine's own state (nothing running, every
+    KV block free), not the state of the last step before the abort."""
+    advance = llm.engine.advance
+
+    def slow():  # (the stream is still running when its client leaves)
+        time.sleep(0.02)
+        return advance()
+
+    monkeypatch.setattr(llm.engine, "advance", slow)
+    before = scrape(client)
+    sock, sock_file = stream_request(server, {"prompt": PROMPTS[1], "max_tokens": 200,
+                                              "ignore_eos": True, "stream": True})
+    with sock, sock_file:
+        read_stream(sock_file, 2)
+        running = scrape(client)
+    assert running["serve_num_requests_running"] == 1 and running["serve_kv_cache_blocks_used"] > 0
+    aborts = 'serve_request_success_total{finished_reason="abort"}'
+    wait_for(lambda: scrape(client)[aborts] == before[aborts] + 1)
+    assert server.wait_idle(10) and not llm.engine.requests
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    wait_for(lambda: scrape(client)["serve_num_requests_running"] == 0, timeout=5)
+    assert scrape(client)["serve_kv_cache_blocks_used"] == 0
+
+
 def read_stream(sock_file, events):
     """Read one streamed response's chunks, counting events, until `events` of them (None: the
     end); returns the events' JSON."""
