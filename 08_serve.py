@@ -6686,9 +6686,15 @@ class ClientGone(Exception):
     """The client closed its connection while its request ran."""
 
 
+class HeadersTooLong(Exception):
+    """The header lines together are over MAX_HEADER_BYTES (a 431)."""
+
+
 class _HeaderLimit:
     """The request's file while http.server parses the headers: it reads them a line at a time,
-    and past MAX_HEADER_BYTES in all this raises LineTooLong, which parse_request answers 431."""
+    and past MAX_HEADER_BYTES in all this raises HeadersTooLong, which parse_request answers
+    431. (Not http.client's LineTooLong, which http.server answers itself, in words of its own
+    around ours.)"""
 
     def __init__(self, rfile):
         self.rfile, self.left = rfile, MAX_HEADER_BYTES
@@ -6697,7 +6703,7 @@ class _HeaderLimit:
         line = self.rfile.readline(self.left + 1 if size < 0 else min(size, self.left + 1))
         self.left -= len(line)
         if self.left < 0:
-            raise http.client.LineTooLong(f"the headers are over {MAX_HEADER_BYTES:,} bytes")
+            raise HeadersTooLong()
         return line
 
 
@@ -6782,8 +6788,12 @@ class Handler(BaseHTTPRequestHandler):
         rfile, self.rfile = self.rfile, _HeaderLimit(self.rfile)
         try:
             return super().parse_request()
+        except HeadersTooLong:
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            f"the headers are over {MAX_HEADER_BYTES:,} bytes")
         finally:
             self.rfile = rfile
+        return False
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line or headers), in the envelope."""

@@ -714,6 +714,17 @@ def test_lone_surrogates_are_answered(client):
         assert client.post(path, {**body, "max_tokens": 2})[0] == 200
 
 
+def test_headers_over_the_limit_are_a_431_in_one_sentence(server):
+    """One huge header, or many that add up to more than 64 KiB: a 431 that says so, in the
+    server's words only."""
+    for extra in [b"X-Big: " + b"a" * 70000 + b"\r\n",
+                  b"".join(b"X-%d: %s\r\n" % (i, b"a" * 900) for i in range(90))]:
+        answer = raw_exchange(server, b"GET /health HTTP/1.1\r\n" + extra + b"\r\n")
+        status, body = parse_raw(answer)
+        assert status == 431
+        assert check_envelope(body)["message"] == "the headers are over 65,536 bytes"
+
+
 def raw_exchange(server, data, shut_write=True):
     """Send raw bytes, read the raw answer until the server closes (or 10 s pass)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
