@@ -6690,11 +6690,17 @@ class HeadersTooLong(Exception):
     """The header lines together are over MAX_HEADER_BYTES (a 431)."""
 
 
+class RequestCut(Exception):
+    """The request line or the headers ended before their line break: the deadline shut the
+    socket's reading side, or the client closed its own."""
+
+
 class _HeaderLimit:
-    """The request's file while http.server parses the headers: it reads them a line at a time,
-    and past MAX_HEADER_BYTES in all this raises HeadersTooLong, which parse_request answers
-    431. (Not http.client's LineTooLong, which http.server answers itself, in words of its own
-    around ours.)"""
+    """The request's file while http.server parses the headers, which it reads a line at a time
+    until an empty one: past MAX_HEADER_BYTES in all this raises HeadersTooLong, and at the end
+    of the stream RequestCut. http.server takes the end of the stream (readline's b"") for the
+    end of the headers, and would run a GET that never finished them. (Neither is one of
+    http.client's errors, which parse_request answers itself, in words of its own.)"""
 
     def __init__(self, rfile):
         self.rfile, self.left = rfile, MAX_HEADER_BYTES
@@ -6704,6 +6710,8 @@ class _HeaderLimit:
         self.left -= len(line)
         if self.left < 0:
             raise HeadersTooLong()
+        if not line.endswith(b"\n"):  # (within the limit: the stream ended)
+            raise RequestCut()
         return line
 
 
@@ -6756,6 +6764,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.requestline = self.request_version = self.command = ""
                 self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG,
                                 f"the request line is over {MAX_REQUEST_LINE:,} bytes")
+            elif not self.raw_requestline.endswith(b"\n"):  # (the headers would read as none)
+                self.requestline = self.request_version = self.command = ""
+                self.cut_short()
             elif self.parse_request():
                 if self.command != "POST":  # (no body to wait for)
                     self.stop_deadline()
@@ -6791,9 +6802,22 @@ class Handler(BaseHTTPRequestHandler):
         except HeadersTooLong:
             self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                             f"the headers are over {MAX_HEADER_BYTES:,} bytes")
+        except RequestCut:
+            self.cut_short()
         finally:
             self.rfile = rfile
         return False
+
+    def cut_short(self):
+        """Answer a request whose line or headers stopped before their end: it never runs. A
+        408 when its time ran out (as a body cut short gets), a 400 when its client closed its
+        side; either way the connection closes (send_error)."""
+        if self.late:
+            self.send_error(HTTPStatus.REQUEST_TIMEOUT,
+                            f"the request did not arrive within {self.timeout} s")
+        else:
+            self.send_error(HTTPStatus.BAD_REQUEST, "the client closed its side of the "
+                            "connection before the request's headers ended")
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line or headers), in the envelope."""

@@ -24,6 +24,7 @@ import multiprocessing.connection
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import socket
@@ -1599,13 +1600,17 @@ def test_a_failing_command_fails_alone(q8, spare, monkeypatch):
 
 
 def trickle(server, parts, pause):
-    """Send parts with a pause after each (shorter than the server's timeout), and then read
-    until the server closes. Returns (the answer, seconds it took, parts sent before the
-    server cut the connection)."""
+    """Send parts with a pause after each (shorter than the server's timeout) until the server
+    answers, and then read until it closes. Returns (the answer, seconds it took, parts sent
+    before the server answered or cut the connection)."""
     start, sent = time.monotonic(), 0
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         try:
             for part in parts:
+                # (bytes sent after the server closed would reset the connection, and could
+                # destroy its answer before it is read)
+                if select.select([sock], [], [], 0)[0]:
+                    break
                 sock.sendall(part)
                 sent += 1
                 time.sleep(pause)
@@ -1621,13 +1626,13 @@ def trickle(server, parts, pause):
 def test_a_trickled_request_is_cut_off(q8, spare):
     """Each read waits at most `timeout`, and the whole request (line, headers, body) too: a
     client that sends a byte at a time, each just in time, does not hold its thread for
-    longer. Headers cut short close the connection; a body cut short is a 408."""
+    longer. Headers or a body cut short are a 408."""
     server = q8.serve(spare, timeout=0.6)
     try:
         head = b"POST /tokenize HTTP/1.1\r\nContent-Length: 40\r\n" + b"X-Pad: 1\r\n" * 30
         answer, seconds, sent = trickle(server, [bytes([b]) for b in head], 0.05)
         assert seconds < 3 and sent < len(head), (seconds, sent)  # not 40 x 0.05 s per line
-        assert not answer or parse_raw(answer)[0] in (400, 408)
+        assert parse_raw(answer)[0] == 408
         body = json.dumps({"prompt": "a" * 25}).encode()
         answer, seconds, sent = trickle(
             server, [b"POST /tokenize HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body)]
@@ -1636,6 +1641,33 @@ def test_a_trickled_request_is_cut_off(q8, spare):
         assert status == 408 and "did not arrive within 0.6 s" in check_envelope(error)["message"]
         assert seconds < 3 and sent < len(body)
         assert Client(server.url, key=None).post("/tokenize", {"prompt": "a"})[0] == 200
+    finally:
+        server.shutdown()
+
+
+def test_a_request_cut_short_never_runs(q8, spare):
+    """A request line or header block whose bytes stop coming before its end is a 408 once the
+    request's `timeout` is up, and the connection closes: never the route's answer (a GET has
+    no body whose absence would show), nor a 411 for the Content-Length the headers did not get
+    to. One whose client closes its side before the blank line that ends the headers is a 400."""
+    server = q8.serve(spare, timeout=0.6)
+    try:
+        pad = [b"X-Pad: %d\r\n" % i for i in range(40)]
+        for first in [b"GET /health HTTP/1.1\r\n", b"GET /v1/models HTTP/1.1\r\n",
+                      b"POST /tokenize HTTP/1.1\r\n", b"GET /health?"]:
+            # (a query the line never finishes: cut anywhere, it still asks for /health)
+            parts = [first, *pad] if first.endswith(b"\n") else [first, *[b"a"] * 40]
+            answer, seconds, sent = trickle(server, parts, 0.05)
+            status, error = parse_raw(answer)
+            assert status == 408, (first, answer)
+            assert check_envelope(error)["message"] == "the request did not arrive within 0.6 s"
+            assert b"Connection: close" in answer.partition(b"\r\n\r\n")[0].split(b"\r\n")
+            assert seconds < 3 and sent < len(parts), (seconds, sent)
+        for data in [b"GET /health HTTP/1.1\r\nHost: x\r\n", b"GET /health HTTP/1.1"]:
+            status, error = parse_raw(raw_exchange(server, data))
+            assert status == 400 and "before the request's headers ended" in check_envelope(
+                error)["message"], data
+        assert Client(server.url, key=None).request("GET", "/health")[0] == 200
     finally:
         server.shutdown()
 
