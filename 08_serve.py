@@ -6209,7 +6209,8 @@ MAX_REQUEST_LINE = 8192  # bytes of "POST /v1/completions HTTP/1.1" (414 beyond)
 MAX_HEADER_BYTES = 64 << 10  # of all the header lines together (431 beyond)
 LINGER_SECONDS, LINGER_BYTES = 2.0, 16 << 20  # what a refused client may still send (finish)
 ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/metrics": {"GET": "metrics"},
-          "/v1/models": {"GET": "models"}, "/v1/completions": {"POST": "completions"},
+          "/v1/models": {"GET": "models"}, "/v1/models/{model}": {"GET": "model"},
+          "/v1/completions": {"POST": "completions"},
           "/v1/chat/completions": {"POST": "chat_completions"},
           "/tokenize": {"POST": "tokenize"}, "/detokenize": {"POST": "detokenize"}}
 OPEN_ROUTES = ("/", "/health")  # no API key needed
@@ -6844,6 +6845,8 @@ class Handler(BaseHTTPRequestHandler):
             if path != "/health" and not self.app.ready.is_set():
                 raise self.app.not_ready()
             methods = ROUTES.get(path)
+            if methods is None and path.startswith("/v1/models/"):
+                methods = ROUTES["/v1/models/{model}"]
             if methods is None:
                 raise APIError(f"no route {path}", 404)
             if self.command not in methods:
@@ -6931,8 +6934,11 @@ class Handler(BaseHTTPRequestHandler):
     def check_model(self, body):
         model = field(body, "model", _is_str, "a string")
         if model is not None and model != self.app.model_name:
-            raise APIError(f"the model '{model}' does not exist; this server serves "
-                           f"'{self.app.model_name}'", 404, "model", "model_not_found")
+            raise self.model_not_found(model)
+
+    def model_not_found(self, name):
+        return APIError(f"the model '{name}' does not exist; this server serves "
+                        f"'{self.app.model_name}'", 404, "model", "model_not_found")
 
     # -- the routes
 
@@ -6950,6 +6956,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def models(self):
         self.send_json(200, {"object": "list", "data": [self.app.model_card()]})
+
+    def model(self):
+        """GET /v1/models/{model} (the client's models.retrieve): the served model's card. The
+        name is percent-decoded: the official client sends a Hub id's "/" as %2F, curl as is."""
+        name = urllib.parse.unquote(self.path.split("?", 1)[0].removeprefix("/v1/models/"))
+        if name != self.app.model_name:
+            raise self.model_not_found(name)
+        self.send_json(200, self.app.model_card())
 
     def tokenize(self):
         body = self.read_json()

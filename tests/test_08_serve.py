@@ -321,6 +321,27 @@ def test_health_models_page_and_metrics(client, oai, server, llm):
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
 
 
+def test_a_model_is_retrieved_by_its_name(client, oai):
+    """GET /v1/models/{model}, the client's models.retrieve: the card that /v1/models lists, for
+    the served name (percent-encoded, as the client sends a Hub id's "/"); another name is a 404
+    in OpenAI's envelope, as OpenAI answers it."""
+    card = json.loads(client.request("GET", "/v1/models")[2])["data"][0]
+    model = oai.models.retrieve(MODEL)
+    assert (model.id, model.object, model.created, model.owned_by) == (
+        card["id"], card["object"], card["created"], card["owned_by"])
+    status, _, data = client.request("GET", "/v1/models/t%69ny")
+    assert status == 200 and json.loads(data) == card
+    with pytest.raises(openai.NotFoundError) as refused:
+        oai.models.retrieve("Qwen/Qwen3-0.6B")
+    assert refused.value.code == "model_not_found" and "Qwen/Qwen3-0.6B" in refused.value.message
+    for name in ("other", "", "tiny/x"):
+        status, _, data = client.request("GET", "/v1/models/" + name)
+        error = check_envelope(json.loads(data))
+        assert (status, error["param"], error["code"]) == (404, "model", "model_not_found"), name
+    assert client.request("GET", "/v1/models/" + MODEL, key=None)[0] == 401
+    assert client.request("POST", "/v1/models/" + MODEL, {})[0] == 405
+
+
 def test_completions_equal_the_engines_greedy_outputs(q8, client, reference):
     """A string, token ids, and a batch of both with n = 2: each choice is the engine's greedy
     continuation of its prompt (index = prompt index x n + j), usage exact."""
