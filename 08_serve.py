@@ -6213,7 +6213,9 @@ ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/metrics": {"GET"
           "/v1/completions": {"POST": "completions"},
           "/v1/chat/completions": {"POST": "chat_completions"},
           "/tokenize": {"POST": "tokenize"}, "/detokenize": {"POST": "detokenize"}}
-OPEN_ROUTES = ("/", "/health")  # no API key needed
+# No API key needed: the page (which asks for the key), the load balancer's health check, and
+# the metrics, which a Prometheus scraper reads without one (as vLLM serves them)
+OPEN_ROUTES = ("/", "/health", "/metrics")
 
 # The chat page: one HTML document, its style and script inline (no external assets). It keeps
 # the conversation in the page and sends all of it with each message, as the chat API is
@@ -7373,11 +7375,12 @@ def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None
     """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port; port 0 takes a free
     one. llm may also be a function that returns the LLM: it then loads on a thread of its own,
     and until it is ready every route answers 503 (an LLM is ready at once, after its CUDA
-    graphs are captured: LLM.capture_graphs). api_key: required on every route but / and
-    /health ("Authorization: Bearer KEY"). served_model_name: the model's name in the API
-    (default "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds
-    that any read or write on a client's socket may take (and a stream's client may take to read
-    what it was sent). stream_interval: a stream writes at most every so many seconds, a chunk
+    graphs are captured: LLM.capture_graphs). api_key: required on every route but /, /health
+    and /metrics ("Authorization: Bearer KEY"; a Prometheus scraper sends none, and vLLM too
+    serves its metrics open). served_model_name: the model's name in the API (default
+    "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds that any
+    read or write on a client's socket may take (and a stream's client may take to read what it
+    was sent). stream_interval: a stream writes at most every so many seconds, a chunk
     carrying the tokens since the last (0: every step). max_connections: open connections at
     most, each served by a thread (a 503 beyond). Returns the Server as soon as its socket is
     bound (and an LLM's graphs captured); its threads are daemon threads."""
@@ -7871,7 +7874,8 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=port_number,
                         help="default: 8000 with --model, a free port without")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route "
-                        "but / and /health")
+                        "but /, /health and /metrics (open, as vLLM's: a Prometheus scraper "
+                        "sends no key)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: "
                         "--model as given, a Hub id or a path, as vLLM's)")
     parser.add_argument("--max-connections", type=positive_int, default=MAX_CONNECTIONS,

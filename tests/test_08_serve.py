@@ -317,7 +317,8 @@ def test_health_models_page_and_metrics(client, oai, server, llm):
     assert [m.id for m in oai.models.list().data] == [MODEL]
     status, headers, page = client.request("GET", "/", key=None)
     assert status == 200 and headers["Content-Type"].startswith("text/html") and b"<html" in page
-    status, headers, _ = client.request("GET", "/metrics")
+    # /metrics is open, as vLLM serves it: a Prometheus scraper sends no key
+    status, headers, _ = client.request("GET", "/metrics", key=None)
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
 
 
@@ -709,9 +710,9 @@ def test_routes_methods_keys_and_sizes(client, server):
     for method in ("GET", "POST", "PATCH"):
         status, _, data = client.request(method, "/v2/nothing", {})
         assert status == 404 and check_envelope(json.loads(data))
-    for key in (None, "wrong", KEY + "x"):  # every route but / and /health needs the key
+    for key in (None, "wrong", KEY + "x"):  # every route but /, /health and /metrics needs it
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
-                             ("GET", "/metrics"), ("POST", "/tokenize")]:
+                             ("POST", "/tokenize"), ("POST", "/detokenize")]:
             status, _, data = client.request(method, path, {"prompt": "x"}, key=key)
             error = check_envelope(json.loads(data))
             assert status == 401 and error["code"] == "invalid_api_key"
