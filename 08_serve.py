@@ -6227,6 +6227,8 @@ CHAT_PAGE = r"""<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>08_serve chat</title>
+<!-- no icon: without one the browser asks for /favicon.ico, a 404 in its console -->
+<link rel="icon" href="data:,">
 <style>
   body { font: 15px/1.5 system-ui, sans-serif; max-width: 46rem; margin: 0 auto; padding: 1rem; }
   h1 { font-size: 1.2rem; margin: 0 0 .5rem; }
@@ -6245,12 +6247,13 @@ CHAT_PAGE = r"""<!doctype html>
 </head>
 <body>
 <h1>Chat with <span id="model">the server</span></h1>
-<details>
+<details id="settings">
   <summary>Settings</summary>
   <label>System prompt <textarea id="system" rows="2"></textarea></label>
   <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7">
   </label>
-  <label>Max tokens <input id="max-tokens" type="number" min="1" value="1024"></label>
+  <label>Max tokens <input id="max-tokens" type="number" min="1" value="1024"
+                           placeholder="up to the context"></label>
   <label>API key <input id="api-key" type="password" autocomplete="off"
                         placeholder="only if the server was started with --api-key"></label>
 </details>
@@ -6282,11 +6285,16 @@ function headers() {
 function showError(text) { $("error").textContent = text; }
 
 // An error response carries the OpenAI envelope {"error": {"message", ...}}; show its message
-// with the status, or the body as it came when it is not one.
+// with the status, or the body as it came when it is not one. A 401's message tells a program
+// which header to send; a person enters the key here instead.
 async function failure(response) {
   const body = await response.text();
   let message = body || response.statusText;
   try { message = JSON.parse(body).error.message; } catch (e) { /* not the envelope */ }
+  if (response.status === 401) {
+    message = "wrong or missing API key: enter the server's key under Settings → API key";
+    $("settings").open = true;
+  }
   return new Error(`HTTP ${response.status}: ${message}`);
 }
 
@@ -6309,7 +6317,13 @@ async function loadModel() {  // at the start, and again when the API key change
   try {
     const response = await fetch("/v1/models", {headers: headers()});
     if (!response.ok) throw await failure(response);
-    model = (await response.json()).data[0].id;
+    const card = (await response.json()).data[0];
+    // Max tokens' default cannot fit beside any prompt in a context of that many tokens or
+    // fewer: there it is left empty, which the server reads as "up to the context".
+    const maxTokens = $("max-tokens");
+    if (maxTokens.value === maxTokens.defaultValue
+        && card.max_model_len <= Number(maxTokens.defaultValue)) maxTokens.value = "";
+    model = card.id;
     $("model").textContent = model;
   } catch (e) {
     showError(`/v1/models: ${e.message}`);
