@@ -5403,6 +5403,18 @@ def field(body, name, ok, what, default=None, where=""):
     return value
 
 
+def check_text(text, param):
+    """text, if it is Unicode text. A lone surrogate ("\\ud800" is legal JSON) is not a
+    character and has no UTF-8: the tokenizer would read it as U+FFFD, and the model answer a
+    prompt the client did not send."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise APIError(f"'{param}' holds a lone surrogate, U+{ord(text[e.start]):04X} at "
+                       f"character {e.start}: not text", param=param) from None
+    return text
+
+
 def check_fields(body, known, where=""):
     """An unknown field is an error rather than ignored: a client that sends one expects it to
     do something this server does not do (OpenAI answers the same)."""
@@ -5550,7 +5562,7 @@ def stop_strings(body):
             and all(isinstance(s, str) and s for s in stop)):
         raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP}, got "
                        f"{_short(body['stop'])}", param="stop")
-    return tuple(stop)
+    return tuple(check_text(s, "stop") for s in stop)
 
 
 def completion_prompts(body, tokenizer):
@@ -5561,7 +5573,8 @@ def completion_prompts(body, tokenizer):
     if not (isinstance(batch, list) and batch and all(_is_str(p) or _is_ids(p) for p in batch)):
         raise APIError(f"'prompt' must be a string, a list of token ids, or a non-empty list of "
                        f"those, got {_short(prompt)}", param="prompt")
-    return [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+    return [tokenizer.encode(check_text(p, "prompt")) if isinstance(p, str) else p
+            for p in batch]
 
 
 def chat_prompt(body, tokenizer):
@@ -5586,7 +5599,7 @@ def chat_prompt(body, tokenizer):
         if not _is_str(content):
             raise APIError(f"'{where}content' must be a string or a list of text parts "
                            f"({{\"type\": \"text\", \"text\": ...}})", param=where + "content")
-        turns.append({"role": role, "content": content})
+        turns.append({"role": role, "content": check_text(content, where + "content")})
     options = field(body, "chat_template_kwargs", _is_object, "an object", {})
     check_fields(options, {"enable_thinking"}, "chat_template_kwargs.")
     thinking = field(options, "enable_thinking", _is_bool, "true or false", True,
@@ -6989,7 +7002,7 @@ class Handler(BaseHTTPRequestHandler):
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise APIError("give either 'prompt' or 'messages'")
         text = (chat_prompt(body, tokenizer) if body.get("prompt") is None
-                else field(body, "prompt", _is_str, "a string"))
+                else check_text(field(body, "prompt", _is_str, "a string"), "prompt"))
         ids = tokenizer.encode(text)
         self.send_json(200, {"tokens": ids, "count": len(ids),
                              "max_model_len": self.app.max_model_len})

@@ -734,16 +734,31 @@ def test_routes_methods_keys_and_sizes(client, server):
 
 def test_lone_surrogates_are_answered(client):
     """"\ud800" is legal JSON but not UTF-8: in a model or field name the error repeats it
-    (escaped), in a prompt, a message or a stop string it is served like any text."""
+    (escaped); in a request's text (a prompt, a message, a stop string) it is a 400 naming the
+    field, as the text has no UTF-8 for the model to read."""
     for body, status, param in [({"prompt": "x", "model": "\ud800"}, 404, "model"),
                                 ({"prompt": "x", "\ud800": 1}, 400, "\ud800")]:
         got, out = client.post("/v1/completions", body)
         assert (got, check_envelope(out)["param"]) == (status, param)
         assert "\ud800" in out["error"]["message"]
-    for path, body in [("/v1/completions", {"prompt": "a\ud800b", "stop": ["\udc00"]}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user",
-                                                               "content": "\udc00"}]})]:
-        assert client.post(path, {**body, "max_tokens": 2})[0] == 200
+    user = {"role": "user", "content": "x"}
+    for path, body, param in [
+            ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+            ("/v1/completions", {"prompt": ["x", [1, 2], "\udc00"]}, "prompt"),
+            ("/v1/completions", {"prompt": "x", "stop": ["y", "\udc00"]}, "stop"),
+            ("/v1/chat/completions", {"messages": [user, {"role": "user", "content": "\udc00"}]},
+             "messages[1].content"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "a"}, {"type": "text", "text": "\ud800"}]}]},
+             "messages[0].content"),
+            ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]},
+             "messages[0].content")]:
+        got, out = client.post(path, {**body, "max_tokens": 2} if path != "/tokenize" else body)
+        assert (got, check_envelope(out)["param"]) == (400, param), (path, body, out)
+        assert "lone surrogate" in out["error"]["message"]
+    assert client.post("/v1/completions", {"prompt": "a\u00e9\U0001f600", "stop": ["\u20ac"],
+                                           "max_tokens": 2})[0] == 200  # (pairs are characters)
 
 
 def test_headers_over_the_limit_are_a_431_in_one_sentence(server):
