@@ -7892,7 +7892,8 @@ def non_negative_seconds(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # the docstring's first paragraph (its first line ends mid-sentence), which argparse rewraps
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", help="a Hugging Face Qwen3 directory, or a Hub id such as "
                         "Qwen/Qwen3-0.6B (default: a tiny random Qwen3, which the server sends a "
                         "few requests to before it stops)")

@@ -1825,6 +1825,18 @@ def test_shutdown_ends_open_streams_and_stops(q8, spare, monkeypatch):
 
 # ----------------------------------------------------------------------- the command line
 
+def test_help_describes_the_stage_in_whole_sentences(q8, capsys):
+    """--help opens with the docstring's first paragraph whole (not its first line, which ends
+    mid-sentence), and says which routes need no API key."""
+    with pytest.raises(SystemExit) as exit_:
+        q8.parse_args(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # (argparse wraps lines its own way)
+    first = " ".join(q8.__doc__.split("\n\n")[0].split())
+    assert first.endswith("(book chapters 35-37).") and first in out
+    assert "but /, /health and /metrics" in out
+
+
 def test_prefill_first_is_on_unless_switched_off(q8, checkpoint):
     """main's engine runs prompts first by default; --no-prefill-first turns it off."""
     for flags, on in (([], True), (["--no-prefill-first"], False)):
