@@ -7992,6 +7992,17 @@ def load_llm(args, source):
                speculative=speculative, prefill_first=args.prefill_first, data_dir=args.data_dir)
 
 
+def serve_flags(args, llm, port, served_model_name):
+    """serve(llm) as the flags ask. An address it cannot listen on (a port taken, a host that is
+    not this machine's or no address at all) is a one-line error, not a traceback."""
+    try:
+        return serve(llm, args.host, port, api_key=args.api_key,
+                     served_model_name=served_model_name, stream_interval=args.stream_interval,
+                     max_connections=args.max_connections)
+    except OSError as e:
+        sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")
+
+
 def http_request(url, method, path, body=None, api_key=None, timeout=60.0):
     """(status, body bytes) of one request to the server at url, with the standard library's
     http.client, as any client would send it."""
@@ -8024,9 +8035,7 @@ def demo(args):
     printed as they come back, then a clean stop."""
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
         llm = load_llm(args, random_checkpoint(demo_tokenizer(tmp, args.data_dir), seed=0))
-    server = serve(llm, args.host, args.port or 0, api_key=args.api_key,
-                   served_model_name=args.served_model_name or "tiny-random-qwen3",
-                   stream_interval=args.stream_interval, max_connections=args.max_connections)
+    server = serve_flags(args, llm, args.port or 0, args.served_model_name or "tiny-random-qwen3")
     print(f"serving a tiny random Qwen3 at {server.url}; over HTTP:")
     post = functools.partial(http_request, server.url, "POST", api_key=args.api_key)
     try:
@@ -8070,13 +8079,8 @@ def main(argv=None):
         signal.signal(signal_number, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     port = 8000 if args.port is None else args.port
-    try:
-        server = serve(functools.partial(load_llm, args, args.model), args.host, port,
-                       api_key=args.api_key, stream_interval=args.stream_interval,
-                       max_connections=args.max_connections,
-                       served_model_name=args.served_model_name or args.model)
-    except OSError as e:  # the port is taken, or the host is not this machine's
-        sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")
+    server = serve_flags(args, functools.partial(load_llm, args, args.model), port,
+                         args.served_model_name or args.model)
     print(f"loading {args.model}; until it is ready, {server.url}/health answers 503", flush=True)
     while not server.wait_ready(timeout=0.2):  # (a signal stops the wait too)
         if server.load_error is not None or stop.is_set():

@@ -1837,6 +1837,19 @@ def test_help_describes_the_stage_in_whole_sentences(q8, capsys):
     assert "but /, /health and /metrics" in out
 
 
+def test_an_address_that_cannot_be_listened_on_is_a_one_line_error(q8, spare, checkpoint,
+                                                                  monkeypatch):
+    """--host that is no address of this machine, with or without --model: "error: ..." and
+    the reason, not a traceback."""
+    monkeypatch.setattr(q8, "load_llm", lambda args, source: spare)  # (the demo's: no build)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # (main's, on pytest's process)
+    for model in ([], ["--model", str(checkpoint)]):
+        with pytest.raises(SystemExit) as exit_:
+            q8.main(["--host", "999.1.1.1", "--device", "cpu", *model])
+        assert re.fullmatch(r"error: cannot listen on 999\.1\.1\.1:\d+: [^\n]+",
+                            str(exit_.value.code)), exit_.value.code
+
+
 def test_prefill_first_is_on_unless_switched_off(q8, checkpoint):
     """main's engine runs prompts first by default; --no-prefill-first turns it off."""
     for flags, on in (([], True), (["--no-prefill-first"], False)):
