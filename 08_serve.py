@@ -7344,7 +7344,10 @@ class Server:
                 raise TypeError(f"the model loader returned {llm!r}, not an LLM with a tokenizer")
             self._start(llm)
         except Exception as e:
-            LOG.exception("the model failed to load")
+            if isinstance(e, DataError):  # a known failure: its message says what to do
+                LOG.error("the model failed to load: %s", e)
+            else:
+                LOG.exception("the model failed to load")
             self.load_error = e
             with contextlib.suppress(OSError):
                 self._send(("load failed", str(e)))
@@ -8085,9 +8088,9 @@ def main(argv=None):
     while not server.wait_ready(timeout=0.2):  # (a signal stops the wait too)
         if server.load_error is not None or stop.is_set():
             break
-    if server.load_error is not None:
+    if server.load_error is not None:  # (logged: a DataError in words, a bug with its traceback)
         server.shutdown()
-        raise server.load_error
+        sys.exit("error: the model failed to load (the log above says why)")
     if not stop.is_set():
         key = ' -H "Authorization: Bearer $API_KEY"' if args.api_key else ""
         request = json.dumps({"model": server.model_name,

@@ -1850,6 +1850,24 @@ def test_an_address_that_cannot_be_listened_on_is_a_one_line_error(q8, spare, ch
                             str(exit_.value.code)), exit_.value.code
 
 
+def test_main_reports_a_model_it_cannot_get_once(tmp_path):
+    """python 08_serve.py --model Qwen/Qwen3-0.6B without a network (its proxy refuses): the
+    message that says which files to place where is printed once, without a traceback (a
+    DataError is a known failure), and the exit status is 1."""
+    with socket.socket() as dead:  # bound but not listening: every connection is refused
+        dead.bind(("127.0.0.1", 0))
+        proxy = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        env = {**os.environ, "TRITON_INTERPRET": "1", "HTTPS_PROXY": proxy,
+               "https_proxy": proxy, "NO_PROXY": "", "no_proxy": ""}
+        proc = subprocess.run(
+            [sys.executable, "08_serve.py", "--model", "Qwen/Qwen3-0.6B", "--port", "0",
+             "--device", "cpu", "--data-dir", str(tmp_path)], cwd=ROOT, env=env,
+            capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert out.count("Place these files") == 1 and "Traceback" not in out, out
+
+
 def test_prefill_first_is_on_unless_switched_off(q8, checkpoint):
     """main's engine runs prompts first by default; --no-prefill-first turns it off."""
     for flags, on in (([], True), (["--no-prefill-first"], False)):
