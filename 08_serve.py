@@ -7954,8 +7954,10 @@ def check_args(parser, args):
         parser.error(f"--device {args.device}: this stage runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA GPU")
-    if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
-        parser.error(f"--data-dir {args.data_dir} is a file, not a directory")
+    if args.data_dir:
+        problem = unusable_folder(Path(args.data_dir))
+        if problem:
+            parser.error(f"--data-dir {args.data_dir}: {problem}")
     for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                         ("--served-model-name", args.served_model_name)):
         if value is not None and not value.strip():
@@ -7978,6 +7980,24 @@ def check_args(parser, args):
         if not path.exists() and not HUB_ID.fullmatch(model):
             parser.error(f"{flag} {model}: no such directory, and not a Hub id such as "
                          f"Qwen/Qwen3-0.6B")
+
+
+def unusable_folder(folder):
+    """Why `folder` cannot be the download cache, or None: it is a file, or it cannot be created
+    (under a file, or where no folder can be made, such as /proc). Found by creating it; the
+    folders made to find out are removed again, as a failed download leaves none behind."""
+    if folder.exists():
+        return None if folder.is_dir() else "is a file, not a directory"
+    made = [folder, *(p for p in folder.parents if not p.exists())]  # (innermost first)
+    try:
+        folder.mkdir(parents=True)
+    except OSError as e:
+        return f"cannot be created ({e.strerror})"
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    return None
 
 
 def load_llm(args, source):

@@ -2290,6 +2290,8 @@ BAD_FLAGS = [
     (["--api-key", ""], "--api-key is empty"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--data-dir", "FILE"], "is a file, not a directory"),
+    (["--data-dir", "/dev/null/x"], "--data-dir /dev/null/x: cannot be created"),
+    (["--data-dir", "/proc/x/y"], "--data-dir /proc/x/y: cannot be created"),
     (["--stream-interval", "-0.1"], "--stream-interval: must be a number of seconds >= 0"),
     (["--max-connections", "0"], "--max-connections: must be a positive integer"),
     (["--stream-interval", "nan"], "--stream-interval: must be a number of seconds >= 0"),
