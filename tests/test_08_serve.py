@@ -512,6 +512,34 @@ def test_stop_strings(q8, client, oai, reference, server, llm):
     assert out["choices"][0]["text"] == text and out["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_stop_string_on_the_last_allowed_token_is_a_stop(q8, client, reference):
+    """The token that completes a stop string is the last one max_tokens allows: the engine ends
+    the request for its length, but the text ended at the stop string: finish_reason "stop",
+    streamed or not, the text before it, every token counted."""
+    tokenizer, n = reference.tokenizer, 10
+    for prompt in PROMPTS:
+        e = generate(q8, reference, [prompt], max_tokens=n, temperature=0, ignore_eos=True)[0]
+        text = e.text
+        before = tokenizer.decode(e.token_ids[:-1], skip_special_tokens=True)  # n - 1 tokens
+        # the shortest tail of the text that the n - 1 tokens before the last do not hold
+        stop = next((text[i:] for i in range(len(text) - 1, -1, -1)
+                     if text[i:] not in before), None)
+        if e.finish_reason == "length" and text.startswith(before) and stop and len(stop) > 1:
+            break
+    else:
+        pytest.fail("no prompt whose last token completes a stop string of two characters")
+    assert len(e.token_ids) == n and stop not in before
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stop": stop}
+    status, out = client.post("/v1/completions", body)
+    assert status == 200
+    assert out["choices"][0]["text"] == text[:text.find(stop)]
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == n
+    events = client.stream("/v1/completions", {**body, "stream": True})
+    assert check_stream_details(events, False, 1, usage=False) == ([text[:text.find(stop)]],
+                                                                    ["stop"])
+
+
 def test_completion_logprobs(q8, client, reference):
     """logprobs = 3: the sampled token's logprob and the top ones, as the engine computes them,
     named by their text; text_offset counts the tokens' characters."""
