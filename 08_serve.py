@@ -6197,9 +6197,10 @@ class Metrics:
 # with keep-alive (the openai client reuses its connections). What a broken or hostile client
 # can do is bounded: the request line and the headers have a size limit (414, 431), the body
 # too (413, refused before it is read), and every read and write on the socket times out
-# (`timeout`), so that a client that stalls holds its thread that long at most. A stream is
-# server-sent events, `data: {json}\n\n` a chunk, ending with `data: [DONE]`, in HTTP's chunked
-# transfer encoding, so that the connection stays open for the next request.
+# (`timeout`), so that a client that stalls holds its thread that long at most; a request that
+# does not arrive whole in that time never runs (408). A stream is server-sent events,
+# `data: {json}\n\n` a chunk, ending with `data: [DONE]`, in HTTP's chunked transfer encoding,
+# so that the connection stays open for the next request.
 #
 # A generation's HTTP thread: the body is checked (generation_request), the Job goes to the
 # engine through the EngineLink, and once it is accepted a stream's headers go out and the
