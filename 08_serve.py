@@ -5403,6 +5403,18 @@ def field(body, name, ok, what, default=None, where=""):
     return value
 
 
+def check_text(text, param):
+    """text, if it is Unicode text. A lone surrogate ("\\ud800" is legal JSON) is not a
+    character and has no UTF-8: the tokenizer would read it as U+FFFD, and the model answer a
+    prompt the client did not send."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise APIError(f"'{param}' holds a lone surrogate, U+{ord(text[e.start]):04X} at "
+                       f"character {e.start}: not text", param=param) from None
+    return text
+
+
 def check_fields(body, known, where=""):
     """An unknown field is an error rather than ignored: a client that sends one expects it to
     do something this server does not do (OpenAI answers the same)."""
@@ -5550,7 +5562,7 @@ def stop_strings(body):
             and all(isinstance(s, str) and s for s in stop)):
         raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP}, got "
                        f"{_short(body['stop'])}", param="stop")
-    return tuple(stop)
+    return tuple(check_text(s, "stop") for s in stop)
 
 
 def completion_prompts(body, tokenizer):
@@ -5561,7 +5573,8 @@ def completion_prompts(body, tokenizer):
     if not (isinstance(batch, list) and batch and all(_is_str(p) or _is_ids(p) for p in batch)):
         raise APIError(f"'prompt' must be a string, a list of token ids, or a non-empty list of "
                        f"those, got {_short(prompt)}", param="prompt")
-    return [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+    return [tokenizer.encode(check_text(p, "prompt")) if isinstance(p, str) else p
+            for p in batch]
 
 
 def chat_prompt(body, tokenizer):
@@ -5586,7 +5599,7 @@ def chat_prompt(body, tokenizer):
         if not _is_str(content):
             raise APIError(f"'{where}content' must be a string or a list of text parts "
                            f"({{\"type\": \"text\", \"text\": ...}})", param=where + "content")
-        turns.append({"role": role, "content": content})
+        turns.append({"role": role, "content": check_text(content, where + "content")})
     options = field(body, "chat_template_kwargs", _is_object, "an object", {})
     check_fields(options, {"enable_thinking"}, "chat_template_kwargs.")
     thinking = field(options, "enable_thinking", _is_bool, "true or false", True,
@@ -5627,10 +5640,11 @@ def chat_logprobs_asked(body):
 #   request open), and ("ready",) once it has the tokenizer.
 # - engine -> HTTP process: ("ready", tokenizer, max_model_len, vocab_size), ("load failed",
 #   message), ("engine failed",), ("stop",), and ("events", [...], the engine's state): the
-#   answers to adds before a step, its tokens after it; the events being ("accepted", job id),
-#   ("refused", job id, message), ("failed", job id, status, message) and ("tokens", engine
-#   request id, new token ids, their logprobs, finish_reason or None, the eos or stop id that
-#   ended it or None): a step's new tokens, never the whole output again.
+#   answers to adds before a step, its tokens after it, or none when only the state changed
+#   (an abort); the events being ("accepted", job id), ("refused", job id, message),
+#   ("failed", job id, status, message) and ("tokens", engine request id, new token ids, their
+#   logprobs, finish_reason or None, the eos or stop id that ended it or None): a step's new
+#   tokens, never the whole output again.
 # Only plain data crosses from the HTTP side (lists, dicts, strings, numbers), so that the
 # engine's process can read it whatever name it gave this file's module.
 
@@ -5670,6 +5684,7 @@ class EngineThread:
     def __init__(self, llm, conn, send, on_ready):
         self.engine, self.conn, self.send, self.on_ready = llm.engine, conn, send, on_ready
         self.live = {}
+        self.state_sent = None  # the engine's state as the HTTP process last heard it
         self.http_idle, self.stopping = True, threading.Event()
         self.wake_reader, self.wake_writer = socket.socketpair()  # (stop() wakes a blocked wait)
         self.idle, self.idle_changed = False, threading.Condition()
@@ -5753,8 +5768,14 @@ class EngineThread:
         return commands
 
     def _send_events(self, events):
-        if events:
-            self.send(("events", events, self._state()))
+        """Send the events with the engine's state; without events, the state alone if it has
+        changed since it was last sent. An abort frees its blocks with no step after it when
+        nothing else runs, and /metrics must not show the state before the abort until the
+        next request makes the engine step."""
+        state = self._state()
+        if events or state != self.state_sent:
+            self.send(("events", events, state))
+            self.state_sent = state
 
     def _idle(self, events, idle):
         self.http_idle = idle
@@ -6176,9 +6197,10 @@ class Metrics:
 # with keep-alive (the openai client reuses its connections). What a broken or hostile client
 # can do is bounded: the request line and the headers have a size limit (414, 431), the body
 # too (413, refused before it is read), and every read and write on the socket times out
-# (`timeout`), so that a client that stalls holds its thread that long at most. A stream is
-# server-sent events, `data: {json}\n\n` a chunk, ending with `data: [DONE]`, in HTTP's chunked
-# transfer encoding, so that the connection stays open for the next request.
+# (`timeout`), so that a client that stalls holds its thread that long at most; a request that
+# does not arrive whole in that time never runs (408). A stream is server-sent events,
+# `data: {json}\n\n` a chunk, ending with `data: [DONE]`, in HTTP's chunked transfer encoding,
+# so that the connection stays open for the next request.
 #
 # A generation's HTTP thread: the body is checked (generation_request), the Job goes to the
 # engine through the EngineLink, and once it is accepted a stream's headers go out and the
@@ -6201,10 +6223,13 @@ MAX_REQUEST_LINE = 8192  # bytes of "POST /v1/completions HTTP/1.1" (414 beyond)
 MAX_HEADER_BYTES = 64 << 10  # of all the header lines together (431 beyond)
 LINGER_SECONDS, LINGER_BYTES = 2.0, 16 << 20  # what a refused client may still send (finish)
 ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/metrics": {"GET": "metrics"},
-          "/v1/models": {"GET": "models"}, "/v1/completions": {"POST": "completions"},
+          "/v1/models": {"GET": "models"}, "/v1/models/{model}": {"GET": "model"},
+          "/v1/completions": {"POST": "completions"},
           "/v1/chat/completions": {"POST": "chat_completions"},
           "/tokenize": {"POST": "tokenize"}, "/detokenize": {"POST": "detokenize"}}
-OPEN_ROUTES = ("/", "/health")  # no API key needed
+# No API key needed: the page (which asks for the key), the load balancer's health check, and
+# the metrics, which a Prometheus scraper reads without one (as vLLM serves them)
+OPEN_ROUTES = ("/", "/health", "/metrics")
 
 # The chat page: one HTML document, its style and script inline (no external assets). It keeps
 # the conversation in the page and sends all of it with each message, as the chat API is
@@ -6216,6 +6241,8 @@ CHAT_PAGE = r"""<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>08_serve chat</title>
+<!-- no icon: without one the browser asks for /favicon.ico, a 404 in its console -->
+<link rel="icon" href="data:,">
 <style>
   body { font: 15px/1.5 system-ui, sans-serif; max-width: 46rem; margin: 0 auto; padding: 1rem; }
   h1 { font-size: 1.2rem; margin: 0 0 .5rem; }
@@ -6234,12 +6261,13 @@ CHAT_PAGE = r"""<!doctype html>
 </head>
 <body>
 <h1>Chat with <span id="model">the server</span></h1>
-<details>
+<details id="settings">
   <summary>Settings</summary>
   <label>System prompt <textarea id="system" rows="2"></textarea></label>
   <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7">
   </label>
-  <label>Max tokens <input id="max-tokens" type="number" min="1" value="1024"></label>
+  <label>Max tokens <input id="max-tokens" type="number" min="1" value="1024"
+                           placeholder="up to the context"></label>
   <label>API key <input id="api-key" type="password" autocomplete="off"
                         placeholder="only if the server was started with --api-key"></label>
 </details>
@@ -6271,11 +6299,16 @@ function headers() {
 function showError(text) { $("error").textContent = text; }
 
 // An error response carries the OpenAI envelope {"error": {"message", ...}}; show its message
-// with the status, or the body as it came when it is not one.
+// with the status, or the body as it came when it is not one. A 401's message tells a program
+// which header to send; a person enters the key here instead.
 async function failure(response) {
   const body = await response.text();
   let message = body || response.statusText;
   try { message = JSON.parse(body).error.message; } catch (e) { /* not the envelope */ }
+  if (response.status === 401) {
+    message = "wrong or missing API key: enter the server's key under Settings → API key";
+    $("settings").open = true;
+  }
   return new Error(`HTTP ${response.status}: ${message}`);
 }
 
@@ -6298,7 +6331,13 @@ async function loadModel() {  // at the start, and again when the API key change
   try {
     const response = await fetch("/v1/models", {headers: headers()});
     if (!response.ok) throw await failure(response);
-    model = (await response.json()).data[0].id;
+    const card = (await response.json()).data[0];
+    // Max tokens' default cannot fit beside any prompt in a context of that many tokens or
+    // fewer: there it is left empty, which the server reads as "up to the context".
+    const maxTokens = $("max-tokens");
+    if (maxTokens.value === maxTokens.defaultValue
+        && card.max_model_len <= Number(maxTokens.defaultValue)) maxTokens.value = "";
+    model = card.id;
     $("model").textContent = model;
   } catch (e) {
     showError(`/v1/models: ${e.message}`);
@@ -6678,9 +6717,21 @@ class ClientGone(Exception):
     """The client closed its connection while its request ran."""
 
 
+class HeadersTooLong(Exception):
+    """The header lines together are over MAX_HEADER_BYTES (a 431)."""
+
+
+class RequestCut(Exception):
+    """The request line or the headers ended before their line break: the deadline shut the
+    socket's reading side, or the client closed its own."""
+
+
 class _HeaderLimit:
-    """The request's file while http.server parses the headers: it reads them a line at a time,
-    and past MAX_HEADER_BYTES in all this raises LineTooLong, which parse_request answers 431."""
+    """The request's file while http.server parses the headers, which it reads a line at a time
+    until an empty one: past MAX_HEADER_BYTES in all this raises HeadersTooLong, and at the end
+    of the stream RequestCut. http.server takes the end of the stream (readline's b"") for the
+    end of the headers, and would run a GET that never finished them. (Neither is one of
+    http.client's errors, which parse_request answers itself, in words of its own.)"""
 
     def __init__(self, rfile):
         self.rfile, self.left = rfile, MAX_HEADER_BYTES
@@ -6689,7 +6740,9 @@ class _HeaderLimit:
         line = self.rfile.readline(self.left + 1 if size < 0 else min(size, self.left + 1))
         self.left -= len(line)
         if self.left < 0:
-            raise http.client.LineTooLong(f"the headers are over {MAX_HEADER_BYTES:,} bytes")
+            raise HeadersTooLong()
+        if not line.endswith(b"\n"):  # (within the limit: the stream ended)
+            raise RequestCut()
         return line
 
 
@@ -6742,6 +6795,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.requestline = self.request_version = self.command = ""
                 self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG,
                                 f"the request line is over {MAX_REQUEST_LINE:,} bytes")
+            elif not self.raw_requestline.endswith(b"\n"):  # (the headers would read as none)
+                self.requestline = self.request_version = self.command = ""
+                self.cut_short()
             elif self.parse_request():
                 if self.command != "POST":  # (no body to wait for)
                     self.stop_deadline()
@@ -6774,8 +6830,25 @@ class Handler(BaseHTTPRequestHandler):
         rfile, self.rfile = self.rfile, _HeaderLimit(self.rfile)
         try:
             return super().parse_request()
+        except HeadersTooLong:
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            f"the headers are over {MAX_HEADER_BYTES:,} bytes")
+        except RequestCut:
+            self.cut_short()
         finally:
             self.rfile = rfile
+        return False
+
+    def cut_short(self):
+        """Answer a request whose line or headers stopped before their end: it never runs. A
+        408 when its time ran out (as a body cut short gets), a 400 when its client closed its
+        side; either way the connection closes (send_error)."""
+        if self.late:
+            self.send_error(HTTPStatus.REQUEST_TIMEOUT,
+                            f"the request did not arrive within {self.timeout} s")
+        else:
+            self.send_error(HTTPStatus.BAD_REQUEST, "the client closed its side of the "
+                            "connection before the request's headers ended")
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line or headers), in the envelope."""
@@ -6802,6 +6875,8 @@ class Handler(BaseHTTPRequestHandler):
             if path != "/health" and not self.app.ready.is_set():
                 raise self.app.not_ready()
             methods = ROUTES.get(path)
+            if methods is None and path.startswith("/v1/models/"):
+                methods = ROUTES["/v1/models/{model}"]
             if methods is None:
                 raise APIError(f"no route {path}", 404)
             if self.command not in methods:
@@ -6889,8 +6964,11 @@ class Handler(BaseHTTPRequestHandler):
     def check_model(self, body):
         model = field(body, "model", _is_str, "a string")
         if model is not None and model != self.app.model_name:
-            raise APIError(f"the model '{model}' does not exist; this server serves "
-                           f"'{self.app.model_name}'", 404, "model", "model_not_found")
+            raise self.model_not_found(model)
+
+    def model_not_found(self, name):
+        return APIError(f"the model '{name}' does not exist; this server serves "
+                        f"'{self.app.model_name}'", 404, "model", "model_not_found")
 
     # -- the routes
 
@@ -6909,6 +6987,14 @@ class Handler(BaseHTTPRequestHandler):
     def models(self):
         self.send_json(200, {"object": "list", "data": [self.app.model_card()]})
 
+    def model(self):
+        """GET /v1/models/{model} (the client's models.retrieve): the served model's card. The
+        name is percent-decoded: the official client sends a Hub id's "/" as %2F, curl as is."""
+        name = urllib.parse.unquote(self.path.split("?", 1)[0].removeprefix("/v1/models/"))
+        if name != self.app.model_name:
+            raise self.model_not_found(name)
+        self.send_json(200, self.app.model_card())
+
     def tokenize(self):
         body = self.read_json()
         check_fields(body, {"model", "prompt", "messages"})
@@ -6917,7 +7003,7 @@ class Handler(BaseHTTPRequestHandler):
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise APIError("give either 'prompt' or 'messages'")
         text = (chat_prompt(body, tokenizer) if body.get("prompt") is None
-                else field(body, "prompt", _is_str, "a string"))
+                else check_text(field(body, "prompt", _is_str, "a string"), "prompt"))
         ids = tokenizer.encode(text)
         self.send_json(200, {"tokens": ids, "count": len(ids),
                              "max_model_len": self.app.max_model_len})
@@ -7259,7 +7345,10 @@ class Server:
                 raise TypeError(f"the model loader returned {llm!r}, not an LLM with a tokenizer")
             self._start(llm)
         except Exception as e:
-            LOG.exception("the model failed to load")
+            if isinstance(e, DataError):  # a known failure: its message says what to do
+                LOG.error("the model failed to load: %s", e)
+            else:
+                LOG.exception("the model failed to load")
             self.load_error = e
             with contextlib.suppress(OSError):
                 self._send(("load failed", str(e)))
@@ -7317,11 +7406,12 @@ def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None
     """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port; port 0 takes a free
     one. llm may also be a function that returns the LLM: it then loads on a thread of its own,
     and until it is ready every route answers 503 (an LLM is ready at once, after its CUDA
-    graphs are captured: LLM.capture_graphs). api_key: required on every route but / and
-    /health ("Authorization: Bearer KEY"). served_model_name: the model's name in the API
-    (default "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds
-    that any read or write on a client's socket may take (and a stream's client may take to read
-    what it was sent). stream_interval: a stream writes at most every so many seconds, a chunk
+    graphs are captured: LLM.capture_graphs). api_key: required on every route but /, /health
+    and /metrics ("Authorization: Bearer KEY"; a Prometheus scraper sends none, and vLLM too
+    serves its metrics open). served_model_name: the model's name in the API (default
+    "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds that any
+    read or write on a client's socket may take (and a stream's client may take to read what it
+    was sent). stream_interval: a stream writes at most every so many seconds, a chunk
     carrying the tokens since the last (0: every step). max_connections: open connections at
     most, each served by a thread (a 503 beyond). Returns the Server as soon as its socket is
     bound (and an LLM's graphs captured); its threads are daemon threads."""
@@ -7806,7 +7896,8 @@ def non_negative_seconds(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # the docstring's first paragraph (its first line ends mid-sentence), which argparse rewraps
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", help="a Hugging Face Qwen3 directory, or a Hub id such as "
                         "Qwen/Qwen3-0.6B (default: a tiny random Qwen3, which the server sends a "
                         "few requests to before it stops)")
@@ -7815,7 +7906,8 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=port_number,
                         help="default: 8000 with --model, a free port without")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route "
-                        "but / and /health")
+                        "but /, /health and /metrics (open, as vLLM's: a Prometheus scraper "
+                        "sends no key)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: "
                         "--model as given, a Hub id or a path, as vLLM's)")
     parser.add_argument("--max-connections", type=positive_int, default=MAX_CONNECTIONS,
@@ -7863,8 +7955,10 @@ def check_args(parser, args):
         parser.error(f"--device {args.device}: this stage runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA GPU")
-    if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
-        parser.error(f"--data-dir {args.data_dir} is a file, not a directory")
+    if args.data_dir:
+        problem = unusable_folder(Path(args.data_dir))
+        if problem:
+            parser.error(f"--data-dir {args.data_dir}: {problem}")
     for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                         ("--served-model-name", args.served_model_name)):
         if value is not None and not value.strip():
@@ -7889,6 +7983,24 @@ def check_args(parser, args):
                          f"Qwen/Qwen3-0.6B")
 
 
+def unusable_folder(folder):
+    """Why `folder` cannot be the download cache, or None: it is a file, or it cannot be created
+    (under a file, or where no folder can be made, such as /proc). Found by creating it; the
+    folders made to find out are removed again, as a failed download leaves none behind."""
+    if folder.exists():
+        return None if folder.is_dir() else "is a file, not a directory"
+    made = [folder, *(p for p in folder.parents if not p.exists())]  # (innermost first)
+    try:
+        folder.mkdir(parents=True)
+    except OSError as e:
+        return f"cannot be created ({e.strerror})"
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    return None
+
+
 def load_llm(args, source):
     """The LLM the flags ask for, on the model `source`. Speculation (chapter 37) is stage 07's,
     switched on for the whole batch: the engine speculates for the requests where it pays."""
@@ -7902,6 +8014,17 @@ def load_llm(args, source):
     return LLM(source, device=args.device, dtype=MODEL_DTYPES.get(args.dtype),
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                speculative=speculative, prefill_first=args.prefill_first, data_dir=args.data_dir)
+
+
+def serve_flags(args, llm, port, served_model_name):
+    """serve(llm) as the flags ask. An address it cannot listen on (a port taken, a host that is
+    not this machine's or no address at all) is a one-line error, not a traceback."""
+    try:
+        return serve(llm, args.host, port, api_key=args.api_key,
+                     served_model_name=served_model_name, stream_interval=args.stream_interval,
+                     max_connections=args.max_connections)
+    except OSError as e:
+        sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")
 
 
 def http_request(url, method, path, body=None, api_key=None, timeout=60.0):
@@ -7936,9 +8059,7 @@ def demo(args):
     printed as they come back, then a clean stop."""
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
         llm = load_llm(args, random_checkpoint(demo_tokenizer(tmp, args.data_dir), seed=0))
-    server = serve(llm, args.host, args.port or 0, api_key=args.api_key,
-                   served_model_name=args.served_model_name or "tiny-random-qwen3",
-                   stream_interval=args.stream_interval, max_connections=args.max_connections)
+    server = serve_flags(args, llm, args.port or 0, args.served_model_name or "tiny-random-qwen3")
     print(f"serving a tiny random Qwen3 at {server.url}; over HTTP:")
     post = functools.partial(http_request, server.url, "POST", api_key=args.api_key)
     try:
@@ -7982,20 +8103,15 @@ def main(argv=None):
         signal.signal(signal_number, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     port = 8000 if args.port is None else args.port
-    try:
-        server = serve(functools.partial(load_llm, args, args.model), args.host, port,
-                       api_key=args.api_key, stream_interval=args.stream_interval,
-                       max_connections=args.max_connections,
-                       served_model_name=args.served_model_name or args.model)
-    except OSError as e:  # the port is taken, or the host is not this machine's
-        sys.exit(f"error: cannot listen on {args.host}:{port}: {e}")
+    server = serve_flags(args, functools.partial(load_llm, args, args.model), port,
+                         args.served_model_name or args.model)
     print(f"loading {args.model}; until it is ready, {server.url}/health answers 503", flush=True)
     while not server.wait_ready(timeout=0.2):  # (a signal stops the wait too)
         if server.load_error is not None or stop.is_set():
             break
-    if server.load_error is not None:
+    if server.load_error is not None:  # (logged: a DataError in words, a bug with its traceback)
         server.shutdown()
-        raise server.load_error
+        sys.exit("error: the model failed to load (the log above says why)")
     if not stop.is_set():
         key = ' -H "Authorization: Bearer $API_KEY"' if args.api_key else ""
         request = json.dumps({"model": server.model_name,
