@@ -8,10 +8,11 @@ with structured output, speculative decoding, and async scheduling.
     python 07_engine.py --bench      # on a GPU: kernels and engine against torch and transformers
 
 New since stage 06: all of it. Changed: rms_norm, swiglu and flash_attention are forward only
-(rms_norm on a kernel of its own, a row a program); filter_logits takes a top-k and top-p per row,
-and min-p; DATA_FILES holds GPT-2's ranks only (main's demo tokenizer). Dropped, and kept in stage
-06: GPT-2, its data, training and generate; every backward kernel; the LayerNorm, softmax, GELU,
-matmul and cross-entropy kernels; naive and tiled attention; the 05/06 benches.
+(rms_norm on a kernel of its own, a row a program); generate is engine v1 over a KV cache;
+filter_logits takes a top-k and top-p per row, and min-p; bench_attention times the decode
+kernels; DATA_FILES holds GPT-2's ranks only (main's demo tokenizer). Dropped, and kept in stage
+06: GPT-2, its data and training; every backward kernel; the LayerNorm, softmax, GELU, matmul and
+cross-entropy kernels; naive and tiled attention; the 05/06 benches.
 
 Read top to bottom, the way a request flows (ENGINE.md). Each line: chapter, section, and the
 definitions to read first.
@@ -123,32 +124,33 @@ class Qwen3Config:
                 raise ValueError(f"Qwen3Config.{name} = {value!r} must be a positive int")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                    or not 0 < value < math.inf):
                 raise ValueError(f"Qwen3Config.{name} = {value!r} must be a positive number")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"Qwen3Config: num_attention_heads ({self.num_attention_heads}) must be "
-                             f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(f"Qwen3Config: num_attention_heads ({self.num_attention_heads}) "
+                             f"must be a multiple of num_key_value_heads "
+                             f"({self.num_key_value_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"Qwen3Config.head_dim = {self.head_dim} must be even (RoPE turns pairs)")
+            raise ValueError(f"Qwen3Config.head_dim = {self.head_dim} must be even "
+                             f"(RoPE turns pairs)")
         if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"Qwen3Config.tie_word_embeddings = {self.tie_word_embeddings!r} must be a bool")
+            raise ValueError(f"Qwen3Config.tie_word_embeddings = {self.tie_word_embeddings!r} "
+                             f"must be a bool")
 
     @classmethod
     def tiny(cls):
-        """A two-layer Qwen3 that runs anywhere in a moment: main's model on a CPU. Untied: random
-        tied embeddings make a model that repeats its last token. Its V = 8,256 rows hold main's
-        tokenizer (8,197 ids, demo_tokenizer) and some unused ones, as Qwen3's rows do."""
+        """Two layers: main's model on a CPU. Untied, since random tied embeddings repeat the last
+        token; V = 8,256 rows hold demo_tokenizer's 8,197 ids and spare ones, as Qwen3's do."""
         return cls(vocab_size=8256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    max_position_embeddings=256, tie_word_embeddings=False)
 
     @classmethod
     def from_json(cls, path):
-        """The config of a Hugging Face config.json. Anything this model does not implement
-        (another architecture, RoPE scaling, sliding windows, biases) is an error naming the
-        key, never silently ignored."""
-        # required: what transformers would fill in from defaults that are no model's shape
-        # (head_dim 128 whatever the width, 32 kv heads)
+        """The config of a Hugging Face config.json. What this model does not implement (another
+        architecture, RoPE scaling, sliding windows, biases) is an error naming the key."""
+        # required: transformers' defaults for these (head_dim 128, 32 kv heads) fit no model
         shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim")
         hf = read_hf_config(path, shape)
@@ -212,13 +214,11 @@ def _check_supported(hf, path):
 # ----------------------------------------------------------------------------------------------
 # Chapter 17. Qwen3: the weights
 # ----------------------------------------------------------------------------------------------
-# A Hugging Face model directory holds config.json and the weights: one model.safetensors, or
-# shards that model.safetensors.index.json maps tensor names to. The usual way to load builds the
-# model with random weights (one copy in memory), reads the file into a state dict (a second)
-# and copies one into the other: twice the model, 32 GB for Qwen3-8B in bf16. Here the model is
-# built on the meta device (shapes, no memory, no random init), each tensor is read from the
-# memory-mapped file straight to its device and dtype, and the model takes the tensor as it is
-# (`load_state_dict(assign=True)`): one tensor in flight at a time, nothing copied twice.
+# A Hugging Face model directory holds config.json and model.safetensors, or shards named by
+# model.safetensors.index.json. Loading into a randomly initialized model holds the weights twice
+# (the model and the state dict). Here the model is built on the meta device (shapes only), each
+# tensor goes from the memory-mapped file straight to its device and dtype, and
+# `load_state_dict(assign=True)` keeps it as it is: one tensor in flight at a time.
 
 HF_URL = "https://huggingface.co/{repo}/resolve/main/{file}"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -264,9 +264,8 @@ def model_folder(model, data_dir=None):
 
 
 def download_model(repo, data_dir=None, timeout=30.0):
-    """Fetch a Hub model's config, tokenizer files and weights into <data dir>/hub/<repo>, through
-    `download` (progress, resume, the sha256 the Hub names in its X-Linked-Etag header); return
-    the folder. Files already there are not fetched again: a complete folder needs no network."""
+    """Fetch a Hub model's config, tokenizer files and weights into <data dir>/hub/<repo> through
+    `download` (resume, the sha256 of X-Linked-Etag); return the folder. Files there are kept."""
     folder = _data_dir(data_dir) / "hub" / repo
     weights = _hub_weight_files(repo, folder, timeout)
     fetch([(HF_URL.format(repo=repo, file=name), folder / name, None)
@@ -275,8 +274,8 @@ def download_model(repo, data_dir=None, timeout=30.0):
 
 
 def _hub_weight_files(repo, folder, timeout):
-    """The weight files of a Hub model: its index and the shards it lists, or model.safetensors.
-    Which layout a repository has is learnt by asking for the index (404: one file)."""
+    """The weight files of a Hub model: its index and the shards it lists, or model.safetensors
+    when asking for the index gets a 404."""
     if not (folder / WEIGHTS_INDEX).is_file() and not (folder / WEIGHTS).is_file():
         url = HF_URL.format(repo=repo, file=WEIGHTS_INDEX)
         try:
@@ -284,10 +283,10 @@ def _hub_weight_files(repo, folder, timeout):
             response.close()
         except requests.RequestException as e:
             raise DataError(
-                f"{repo} cannot be downloaded ({type(e).__name__}: no network?). Place these files "
-                f"from https://huggingface.co/{repo}/tree/main in {folder}: {', '.join(HUB_FILES)}, "
-                f"and {WEIGHTS} (or {WEIGHTS_INDEX} with the shards it lists); or pass the "
-                f"directory that holds them instead of the Hub id") from None
+                f"{repo} cannot be downloaded ({type(e).__name__}: no network?). Place these "
+                f"files from https://huggingface.co/{repo}/tree/main in {folder}: "
+                f"{', '.join(HUB_FILES)}, and {WEIGHTS} (or {WEIGHTS_INDEX} with the shards it "
+                f"lists); or pass the directory that holds them instead of the Hub id") from None
         if response.status_code == 404:
             return [WEIGHTS]
         if response.status_code != 200:
@@ -300,8 +299,7 @@ def _hub_weight_files(repo, folder, timeout):
 
 @contextlib.contextmanager
 def _open_safetensors(path):
-    """safe_open on `path` (memory-mapped; tensors are read when asked for), with a missing or
-    unreadable file reported as a DataError naming it."""
+    """safe_open on `path` (memory-mapped), a missing or unreadable file a DataError naming it."""
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     try:
@@ -328,9 +326,8 @@ def _weight_map(folder):
 
 
 def read_weights(folder, expected, device, dtype):
-    """{name: tensor} for every tensor of `expected` ({name: tensor of the right shape}, meta
-    tensors will do), each read once from its memory-mapped file and converted straight to
-    `device` and `dtype`. A missing, unexpected or misshapen tensor is a DataError naming it."""
+    """{name: tensor} for each of `expected` ({name: meta tensor}), read once, straight to
+    `device` and `dtype`; a missing, unexpected or misshapen tensor is a DataError naming it."""
     where = _weight_map(folder)
     # tied, but the checkpoint stores the head as well: checked below to be the embedding
     stored_head = "lm_head.weight" not in expected and where.pop("lm_head.weight", None)
@@ -363,12 +360,14 @@ def read_weights(folder, expected, device, dtype):
 def _resolve_device_dtype(folder, device, dtype):
     """device: as given, else CUDA when there is one. dtype: as given, else the checkpoint's own
     on a GPU (Qwen3 ships bf16) and float32 on a CPU, where bf16 matmuls are slow."""
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device if device is not None
+                          else "cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None and device.type == "cuda":
         hf = read_hf_config(folder / "config.json", ())
         name = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
         if name not in MODEL_DTYPES:
-            raise DataError(f"{folder / 'config.json'}: dtype {name!r} is not one of {list(MODEL_DTYPES)}")
+            raise DataError(f"{folder / 'config.json'}: dtype {name!r} is not one of "
+                            f"{list(MODEL_DTYPES)}")
         dtype = MODEL_DTYPES[name]
     dtype = dtype or torch.float32
     if dtype not in MODEL_DTYPES.values():
@@ -377,9 +376,8 @@ def _resolve_device_dtype(folder, device, dtype):
 
 
 def load_qwen3(model_dir, device=None, dtype=None, data_dir=None):
-    """Qwen3 in eval mode from a Hugging Face directory (config.json and model.safetensors, or
-    shards with model.safetensors.index.json) or a Hub id, downloaded on first use. device and
-    dtype: see _resolve_device_dtype. The Triton kernels are on when the device is CUDA."""
+    """Qwen3 in eval mode from a Hugging Face directory or a Hub id (downloaded on first use).
+    device and dtype: see _resolve_device_dtype. The Triton kernels are on for CUDA."""
     folder = model_folder(model_dir, data_dir)
     cfg = Qwen3Config.from_json(folder / "config.json")
     device, dtype = _resolve_device_dtype(folder, device, dtype)
@@ -392,8 +390,7 @@ def load_qwen3(model_dir, device=None, dtype=None, data_dir=None):
 
 
 def save_qwen3(model, folder):
-    """Write `model` as a Hugging Face directory (config.json, model.safetensors) that load_qwen3
-    and transformers both read; return the folder."""
+    """Write `model` as a Hugging Face directory that load_qwen3 and transformers read."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -408,21 +405,15 @@ def save_qwen3(model, folder):
 # ----------------------------------------------------------------------------------------------
 # NEW in stage 07: the tokenizer of a Hugging Face model directory, on tiktoken.
 #
-# Qwen3's tokenizer is GPT-2's kind (chapter 4), byte-level BPE, written in Hugging Face's
-# tokenizer.json instead of a ranks file. That file holds
-#   model.vocab    token -> id. A token spells bytes through GPT-2's byte <-> character map,
-#                  which writes each byte as a printable character (a space is "Ġ", a newline "Ċ");
-#   model.merges   the learned pairs, first learned first ("Ġ t": glue "Ġ" and "t");
-#   normalizer     what happens to the text first (Qwen: NFC, so "e" + U+0301 and "é" are alike);
-#   pre_tokenizer  the regex that cuts text into chunks, as GPT-2's did;
-#   added_tokens   strings matched whole before BPE sees the text: <|im_start|>, <think>, ...;
-#                  "special" ones are control tokens that decode may skip.
-# tiktoken merges the adjacent pair whose joined bytes have the lowest id; Hugging Face merges the
-# pair learned first. In a vocabulary learned by BPE a token's id is the step that made it, so the
-# two orders are one: the vocabulary *is* tiktoken's ranks, and encoding runs in tiktoken's Rust.
-# `load_tokenizer` checks that order and refuses, as a DataError naming the file, what tiktoken
-# cannot represent. Added tokens are matched here, in Python, the way tokenizers matches them:
-# the longest at a place, some in the raw text, some after normalizing.
+# Qwen3's tokenizer is GPT-2's byte-level BPE (chapter 4), written as tokenizer.json: model.vocab
+# (token -> id, each byte spelled as a printable character: a space is "Ġ"), model.merges (the
+# learned pairs, first learned first), a normalizer (Qwen: NFC), the pre-tokenizer's regex, and
+# added tokens (<|im_start|>, <think>, ...) matched whole before BPE ("special": decode may skip).
+# tiktoken merges the pair whose joined bytes have the lowest id, tokenizers the pair learned
+# first. In a vocabulary learned by BPE a token's id is the step that made it, so the two orders
+# agree: the vocabulary is tiktoken's ranks, and encoding runs in tiktoken's Rust. load_tokenizer
+# checks that order and refuses what tiktoken cannot represent; added tokens are matched here, in
+# Python, the longest at a place, as tokenizers matches them.
 
 # GPT-2's pre-tokenizer: what tokenizers' ByteLevel pre-tokenizer applies when its use_regex is on.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -431,23 +422,20 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 @functools.cache
 def byte_level_alphabet():
     """GPT-2's byte <-> character map as {character: byte}: the 188 printable bytes stand for
-    themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) for chr(256), chr(257), ... in
-    byte order."""
+    themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) for chr(256), chr(257), ..."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 def _optional_json(path):
-    """A JSON object from `path`, {} when the file is absent (each file but tokenizer.json is
-    optional)."""
+    """A JSON object from `path`, {} when the file is absent."""
     return read_hf_config(path, ()) if path.is_file() else {}
 
 
 def _split_pattern(spec, source):
-    """The regex that cuts normalized text into the chunks BPE works in, for tiktoken. The file's
-    regex is written for Oniguruma, tokenizers' regex engine; Qwen's reads the same in tiktoken's
-    (fancy-regex), and one that does not compile there is an error in load_tokenizer."""
+    """The regex that cuts normalized text into BPE's chunks, for tiktoken. The file's regex is
+    Oniguruma's (tokenizers'); Qwen's reads the same in tiktoken's fancy-regex."""
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
@@ -463,9 +451,8 @@ def _split_pattern(spec, source):
             and split.get("behavior") == "Isolated" and not split.get("invert")):
         raise DataError(f"{source}: pre-tokenizer {pre} is not supported: expected ByteLevel "
                         "alone, or Split(Regex, Isolated) then ByteLevel(use_regex false)")
-    # Text the regex leaves between two matches is a chunk of its own in tokenizers, while
-    # tiktoken drops it. The second alternative takes such a stretch: characters where no match
-    # begins. (Qwen's regex matches everything, so there it never runs.)
+    # tokenizers keeps the text between two matches as a chunk, tiktoken drops it: the second
+    # alternative takes such a stretch (never with Qwen's regex, which matches everything)
     return f"(?:{regex})|(?:(?!{regex})[\\s\\S])+"
 
 
@@ -474,9 +461,8 @@ def _as_is(text):  # (a named function, not a lambda: a tokenizer pickles, for 0
 
 
 def _normalizer(spec, source):
-    """The function the tokenizer applies to text before splitting it: nothing, or NFC. NFC here
-    is Python's unicodedata, whose tables are newer than tokenizers' (which predate Unicode 10):
-    combining marks assigned since then, rare in any text, may be ordered differently."""
+    """What the tokenizer applies to text before splitting it: nothing, or NFC (Python's tables
+    are newer than tokenizers': marks assigned since Unicode 10 may be ordered differently)."""
     normalizer = spec.get("normalizer")
     if normalizer is None:
         return _as_is
@@ -504,12 +490,9 @@ def _check_byte_level_bpe(spec, source):
 
 
 def _bpe_ranks(model, added_ids, source):
-    """tiktoken's ranks from a BPE vocabulary and merges, and every vocabulary token's bytes.
-
-    Returns (ranks, vocab_bytes): ranks {bytes: id} holds the 256 single bytes and each token a
-    merge makes, ids unchanged; vocab_bytes {id: bytes} every token, for decoding. A token that
-    no merge makes (say a special token trained into the vocabulary) stays out of the ranks:
-    tokenizers' BPE can never produce it, so tiktoken must not either."""
+    """(ranks, vocab_bytes) of a BPE vocabulary and merges: ranks {bytes: id}, tiktoken's, holds
+    the 256 single bytes and each token a merge makes; vocab_bytes {id: bytes} every token, for
+    decoding. A token no merge makes stays out of the ranks: BPE can never produce it."""
     alphabet = byte_level_alphabet()
     vocab = model["vocab"]
     vocab_bytes = {}
@@ -575,9 +558,8 @@ def config_eos_token_ids(folder):
 
 
 def _eos_token_ids(model_dir, tok_config, token_id):
-    """The union of the end-of-sequence ids that config.json, generation_config.json (an id or a
-    list) and tokenizer_config.json (a token string) name: Qwen3 chat models end a turn with
-    <|im_end|> but may also emit <|endoftext|>, and each file names only some of them."""
+    """The eos ids that config.json, generation_config.json and tokenizer_config.json name, all
+    of them: Qwen3 ends a turn with <|im_end|> but may emit <|endoftext|>, and each names some."""
     ids = config_eos_token_ids(model_dir)
     token = tok_config.get("eos_token")
     if isinstance(token, dict):  # an AddedToken written out in full
@@ -591,9 +573,8 @@ def _eos_token_ids(model_dir, tok_config, token_id):
 
 
 def load_tokenizer(model_dir):
-    """The Tokenizer of a Hugging Face model directory: tokenizer.json (byte-level BPE) on
-    tiktoken, with the eos ids and chat template that tokenizer_config.json, config.json and
-    generation_config.json declare (each optional)."""
+    """The Tokenizer of a Hugging Face model directory: tokenizer.json on tiktoken, with the eos
+    ids and chat template the directory's other (optional) files declare."""
     model_dir = Path(model_dir)
     source = model_dir / "tokenizer.json"
     if not source.is_file():
@@ -610,8 +591,8 @@ def load_tokenizer(model_dir):
     except ValueError as e:  # a regex in a syntax tiktoken's engine (fancy-regex) does not read
         raise DataError(f"{source}: tiktoken cannot use the pre-tokenizer regex {pattern!r} "
                         f"({e})") from None
-    # An added token decodes as tokenizers' ByteLevel decoder does: through the byte map when all
-    # its characters are in it (every ASCII special token), as its UTF-8 otherwise.
+    # an added token decodes as tokenizers' ByteLevel decoder does: through the byte map when all
+    # its characters are in it, as its UTF-8 otherwise
     alphabet = byte_level_alphabet()
     for content, (token_id, _, _) in added.items():
         in_map = all(c in alphabet for c in content)
@@ -624,20 +605,16 @@ def load_tokenizer(model_dir):
                      _chat_template(model_dir, tok_config))
 
 
-def _one_piece(text):  # (a named function, not a lambda: a tokenizer pickles, for 08's server)
+def _one_piece(text):  # (named, not a lambda: see _as_is)
     return [text]
 
 
 class Tokenizer:
-    """Text <-> ids for one model, the same ids as Hugging Face tokenizers' on every text.
-
-    eos_token_ids: the ids that end generation. token_bytes: id -> the bytes it decodes to (b""
-    for ids the tokenizer does not define). special_ids: the special added tokens, which decode
-    may skip. chat_template: the model's Jinja template, read only to check that it is Qwen3's
-    (None for a base model). Built by `load_tokenizer` from bpe, the tiktoken Encoding of the BPE
-    alone; added, {content: (id, special, normalized)}, the strings matched whole before BPE
-    (normalized ones in the normalized text); and normalize, applied between added tokens.
-    """
+    """Text <-> ids, the same ids as Hugging Face tokenizers' on every text. Built by
+    load_tokenizer from bpe (tiktoken's Encoding of the BPE alone), token_bytes (id -> bytes, b""
+    where undefined), added ({content: (id, special, normalized)}: matched whole before BPE,
+    normalized ones in the normalized text), normalize, eos_token_ids (they end generation) and
+    chat_template (the Jinja template, only checked to be Qwen3's; None for a base model)."""
 
     def __init__(self, bpe, token_bytes, added, normalize, eos_token_ids, chat_template):
         self.bpe, self.token_bytes, self.normalize = bpe, token_bytes, normalize
@@ -649,17 +626,16 @@ class Tokenizer:
 
     @staticmethod
     def _splitter(tokens):
-        """A function that cuts text at these tokens into [text, token, text, ..., text]. The
-        longest comes first in the alternation: at one position the longest wins, as in
-        tokenizers."""
+        """A function that cuts text at these tokens into [text, token, text, ..., text], the
+        longest winning at one position, as in tokenizers."""
         if not tokens:
             return _one_piece
         alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
         return re.compile(f"({alternation})").split  # the group keeps the tokens in the list
 
     def encode(self, text):
-        """The ids of `text`, its added tokens included, special or not (as in tokenizers, so the
-        chat format's control tokens encode). Lone surrogates become U+FFFD, as in tiktoken."""
+        """The ids of `text`, added tokens included, special or not (so the chat format's control
+        tokens encode). Lone surrogates become U+FFFD, as in tiktoken."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         ids = []
@@ -672,30 +648,26 @@ class Tokenizer:
         return ids
 
     def decode_bytes(self, ids, skip_special_tokens=False):
-        """The bytes `ids` spell. Ids the tokenizer does not define decode to nothing: Qwen3's
-        model scores 151,936 ids, more than its tokenizer has, and a sampler may pick any."""
+        """The bytes `ids` spell; ids the tokenizer does not define (the model scores more ids
+        than the tokenizer has) decode to nothing."""
         table, n = self.token_bytes, len(self.token_bytes)
         skip = self.special_ids if skip_special_tokens else ()
         return b"".join(table[i] for i in ids if 0 <= i < n and i not in skip)
 
     def decode(self, ids, skip_special_tokens=False):
-        """The text of `ids`, decoded from the bytes of the whole sequence at once (a token may
-        hold part of a character); bytes that are not UTF-8 become U+FFFD, as in tokenizers."""
+        """The text of `ids`, decoded from all their bytes at once (a token may hold part of a
+        character); bytes that are not UTF-8 become U+FFFD."""
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages, add_generation_prompt=True, enable_thinking=True):
         """Qwen3's chat format as text (`encode` it for the ids, as transformers does):
-
             <|im_start|>system\\n{content}<|im_end|>\\n     (the same for user turns)
             <|im_start|>assistant\\n{content}<|im_end|>\\n
             <|im_start|>assistant\\n                       (the generation prompt)
-
         messages: dicts with "role" (system, user or assistant) and "content" (str); an assistant
-            turn's reasoning is its "reasoning_content", else the <think>...</think> in its content,
-            and is shown only in the turns after the last user query (as Qwen3's template does).
-        enable_thinking=False adds an empty <think>\\n\\n</think>\\n\\n after the generation prompt,
-            which tells the model to answer without reasoning.
-        """
+            turn's reasoning (its "reasoning_content", else the <think>...</think> in its content)
+            shows only after the last user query. enable_thinking=False appends an empty think
+            block to the generation prompt: answer without reasoning."""
         if self.chat_template is None:
             raise ValueError("this is a base model (no chat template in its tokenizer_config.json "
                              "or chat_template.jinja): give it plain text, not chat messages")
@@ -705,8 +677,7 @@ class Tokenizer:
         if not isinstance(add_generation_prompt, bool) or not isinstance(enable_thinking, bool):
             raise TypeError("add_generation_prompt and enable_thinking must be True or False")
         _check_messages(messages)
-        # Reasoning shows only in the turns after the last query: a user turn that is not a tool
-        # result passed back (with no query, in none).
+        # the last query: the last user turn that is not a tool result passed back
         last_query, turns = len(messages) - 1, []
         for i, message in enumerate(messages):
             text = message["content"]
@@ -741,9 +712,8 @@ def _check_messages(messages):
 
 
 def _assistant_text(message, after_last_query, is_last):
-    """An assistant turn's text. Its reasoning is `reasoning_content` or, failing that, what its
-    content holds before </think>; it is written back in a think block only in the turns that
-    answer the last query (in the last turn, an empty block when there was none)."""
+    """An assistant turn's text: its reasoning in a think block only after the last query (in
+    the last turn, an empty block when there was none)."""
     content, reasoning = message["content"], message.get("reasoning_content")
     if reasoning is None:
         reasoning = ""
@@ -790,11 +760,9 @@ def _bpe_parts(token, ranks, below):
 
 
 def byte_level_bpe_json(ranks, added):
-    """A tiktoken BPE with GPT-2's pre-tokenizer, written as Hugging Face's tokenizer.json (a
-    dict): the inverse of load_tokenizer. added: (id, content, special) of each added token.
-    A ranks file stores no merges, only each token's rank; the merge that made a token is what
-    BPE makes of its bytes with the lower ranks alone, which is two pieces for every token that
-    BPE learned (the recovery transformers' converter from tiktoken uses too)."""
+    """A tiktoken BPE with GPT-2's pre-tokenizer as a tokenizer.json dict: the inverse of
+    load_tokenizer. added: (id, content, special) of each added token. Ranks store no merges: a
+    token's merge is the two pieces BPE makes of its bytes with the lower ranks alone."""
     to_char = {b: c for c, b in byte_level_alphabet().items()}
 
     def spell(data):
@@ -809,8 +777,7 @@ def byte_level_bpe_json(ranks, added):
             merges.append([spell(parts[0]), spell(parts[1])])
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": True}
-    # The BPE model's other options (dropout, byte_fallback, ...) are left to tokenizers'
-    # defaults, which are byte-level BPE's; an added token must spell out all of its flags.
+    # tokenizers' defaults are byte-level BPE's; an added token must spell out all its flags
     return {"version": "1.0", "normalizer": None, "pre_tokenizer": byte_level,
             "decoder": byte_level,
             "added_tokens": [{"id": i, "content": content, "special": special, "normalized": False,
@@ -823,29 +790,24 @@ def byte_level_bpe_json(ranks, added):
 # ----------------------------------------------------------------------------------------------
 # Chapter 17. Qwen3: the model, on its kernels
 # ----------------------------------------------------------------------------------------------
-# A Qwen3 block is Llama's with one addition: x + attention(rmsnorm(x)), then x + mlp(rmsnorm(x));
-# attention projects to Hq query and Hkv key/value heads, normalizes each query and key head with
-# its own RMSNorm (Qwen3's q/k norm, which keeps attention logits in range without a bias),
-# rotates them by position (RoPE), and attends causally; the MLP is SwiGLU. Every op is computed
-# as transformers' Qwen3ForCausalLM computes it, rounding included, so that fp32 logits agree to
-# 1e-4. On a GPU, RMSNorm, SwiGLU and the prefill's attention run on the Triton kernels of stages
-# 05 and 06 (forward only: nothing here trains); each has its plain torch twin, which runs
-# everywhere and is what the kernels are checked against (`Qwen3.use_kernels`).
+# A Qwen3 block is Llama's plus one thing: x + attention(rmsnorm(x)), then x + mlp(rmsnorm(x)),
+# where attention normalizes each query and key head with its own RMSNorm (q/k norm, which keeps
+# the logits in range) before RoPE, and the MLP is SwiGLU. Every op rounds as transformers'
+# Qwen3ForCausalLM does, so fp32 logits agree to 1e-4. On a GPU, RMSNorm, SwiGLU and attention
+# run on the Triton kernels of stages 05 and 06 (forward only); each has a torch twin that runs
+# everywhere and checks them (`Qwen3.use_kernels`).
 
 # ------------------------------------------------------------------------------------------------
 # 17.1 RMSNorm
 # ------------------------------------------------------------------------------------------------
-# RMSNorm y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). The kernel reads x once and
-# writes y once, a row a program, in fp32 and rounded once; the torch twin goes through fp32
-# temporaries and rounds where transformers rounds. Stage 05's norm kernels also served
-# LayerNorm and its backward, and streamed rows too wide for registers: a Qwen3 row, 128 to
-# 5,120 values, fits in one program's. ADD is for chapter 19, which fuses the residual add in
-# front of the norm (add_rms_norm).
+# RMSNorm y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps): the kernel reads x and writes y
+# once, a row a program (a Qwen3 row, 128 to 5,120 values, fits in registers, so stage 05's loop
+# over wide rows is gone). ADD fuses the residual add in front (chapter 19).
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr, ADD: tl.constexpr):
-    # One program a row. ADD: x += r first, rounded to x's dtype as torch's add rounds it and
-    # written back (x is the residual stream); then y = x * rstd * w, in fp32, rounded once.
+    # ADD: x += r first, rounded to x's dtype as torch rounds it and written back (x is the
+    # residual stream); then y = x * rstd * w in fp32, rounded once
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -887,9 +849,8 @@ def rms_norm(x, weight, eps=1e-6):  # changed in 07: forward only, a row a progr
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension. The torch twin computes it as transformers does: the
-    statistics in fp32, x normalized in fp32 and rounded to its dtype, then scaled by the weight.
-    The kernel scales in fp32 and rounds once: in bf16 the two differ by a rounding."""
+    """RMSNorm over the last dimension. The torch twin rounds as transformers does (normalized in
+    fp32, rounded, then scaled); the kernel rounds once, so in bf16 they differ by a rounding."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -908,9 +869,8 @@ class RMSNorm(nn.Module):
 # ------------------------------------------------------------------------------------------------
 # 17.2 The SwiGLU MLP, on stage 05's elementwise kernel
 # ------------------------------------------------------------------------------------------------
-# SwiGLU, silu(gate) * up with silu(g) = g * sigmoid(g), is the MLP activation of Llama-style
-# models: down(silu(gate(x)) * up(x)). As torch ops it writes silu(gate) and reads it back; the
-# kernel reads gate and up once and writes the product once.
+# The MLP is down(silu(gate(x)) * up(x)), silu(g) = g * sigmoid(g). As torch ops it writes
+# silu(gate) and reads it back; the kernel reads gate and up once and writes the product once.
 
 _ELEMENTWISE_BLOCK = 4096
 
@@ -940,7 +900,8 @@ def swiglu(gate, up):  # changed in 07: forward only
     _check_tensor("gate", gate)
     _check_tensor("up", up, device=gate.device)
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} differ")
     y = torch.empty_like(gate)
     _launch_elementwise(_swiglu_fwd_kernel, gate, up, y)
     return y
@@ -963,16 +924,14 @@ class MLP(nn.Module):
 # ------------------------------------------------------------------------------------------------
 # 17.3 Rotary position embeddings
 # ------------------------------------------------------------------------------------------------
-# RoPE tells attention where each token is by rotating its query and key: pair i of a head turns
-# by the angle position * theta^(-2i/D), so the score of a query and a key depends on the
-# difference of their positions only. Qwen3 pairs value i with value i + D/2 ("rotate half"):
-# (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The angles are computed in fp32 and rounded to
-# the activations' dtype only as cos and sin: an angle of 40,000 radians in bf16 would be off by
-# more than a whole turn.
+# RoPE rotates each query and key by position: pair i of a head turns by position *
+# theta^(-2i/D), so a score depends on the difference of positions only. Qwen3 pairs value i with
+# i + D/2 ("rotate half"). Angles stay fp32 until cos and sin: 40,000 radians in bf16 would be off
+# by more than a turn.
 
 def rope_inv_freq(cfg):
-    """(D/2,) fp32: theta^(-2i/D), the angle per position of pair i. Computed on the CPU as
-    transformers does (pow's last bit may differ on another device)."""
+    """(D/2,) fp32: theta^(-2i/D), pair i's angle per position; on the CPU, as transformers
+    computes it (pow's last bit may differ on another device)."""
     D = cfg.head_dim
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device="cpu") / D))
 
@@ -994,12 +953,10 @@ def apply_rope(x, cos, sin):
 # ------------------------------------------------------------------------------------------------
 # 17.4 Attention: stage 06's flash forward for the prefill, and the torch twin
 # ------------------------------------------------------------------------------------------------
-# A prefill attends causally over the prompt itself: stage 06's flash_attention forward, kept
-# below unchanged but for its autograd wrapper (the conventions: q (B, Hq, T, D), k, v
-# (B, Hkv, S, D), the causal mask aligned bottom-right, grouped-query heads read by index).
-# Decoding attends one new query a row over the cache, each row up to its own length:
-# decode_attention below on the kernels, else the torch twin, which is transformers' eager
-# attention: scores in the inputs' dtype, the softmax in fp32 rounded back.
+# A prefill attends causally over the prompt: stage 06's flash_attention forward, unchanged but
+# for its autograd wrapper. Decoding attends one query a row over the cache, each row up to its
+# own length: decode_attention below. The torch twin is transformers' eager attention (scores in
+# the inputs' dtype, the softmax in fp32 rounded back).
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 HEAD_DIMS = (32, 64, 128, 256)
@@ -1011,23 +968,12 @@ def _expand_kv(q, k, v):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-# Triton kernels. Tiles move through tensor descriptors: on Hopper the copy engine (TMA) fetches
-# a tile into shared memory, where the tensor cores read it, and rows past the end of T or S come
-# back as zeros, so no load needs a mask. The descriptors are built on the host, once a launch,
-# over the whole (B, H, T, D) tensor (_desc): a program names its tile by (b, h, row, 0). Built
-# in the kernel instead, each program writes its own to global memory and fences before its
-# first load: at the GPT's shape (B=16, H=12, T=1,024, D=64, causal) on the H200 the forward
-# took 122 us that way and 96 us with the host's, the backward 377 and 305 us. The forward
-# writes O with a masked store, and has one exception: its warp-specialized tile, which Triton
-# 3.6 splits between two consumer warpgroups of half the query block each. Its query copies go
-# through the query's descriptor: one built in the kernel is re-tiled to the half, a host-built
-# one keeps its whole-block tile, so each copy fills twice what its barrier waits for and the
-# kernel hangs (on the H200). Its masked store of O, split the same way, gave wrong rows and an
-# illegal address there. So that tile builds its own descriptors of q and O (_head_desc): a
-# host-built one of O would need the tile reshaped to (1, 1, rows, D), which does not compile.
-# The kernel is autotuned per head size, mask, dtype and sequence-length bucket (the next power
-# of two, 128 to 16384), not per exact length: prompts of every length then tune a handful of
-# times, not once each.
+# Stage 06's forward kernel (06 explains its tiles and descriptors; diff 06 against 07). Tiles
+# move through tensor descriptors built on the host (_desc); O leaves by a masked store, since a
+# host-built descriptor of O would need a reshape that does not compile. The warp-specialized
+# tile, split between two consumer warpgroups, builds its own descriptors of q and O
+# (_head_desc): there a host-built q hangs the kernel and a masked store writes wrong rows.
+# Autotuned per sequence-length bucket (_seq_bucket): prompts of every length tune a few times.
 
 
 def _seq_bucket(n):
@@ -1085,29 +1031,10 @@ def _prune_configs(configs, named_args, **kwargs):
     return [c for c in kept if not c.float32_only]
 
 
-# Tile shapes: each candidate was compiled for sm_90a and kept if it fits shared memory (227 KB)
-# and spills no registers, or a few bytes (64 B in the causal 128 x 64 tile at D=128, which uses
-# all 255 registers). Under the interpreter, one small configuration, with
-# BLOCK_M != BLOCK_N to exercise that too (the GPU list is built on every machine all the same,
-# so a CPU run checks it).
-# Forward: 128 query rows (64 for short causal rows), 64 or 128 keys a step. One warpgroup (4
-# warps) holding all 128 rows beat two warpgroups of 64 rows (8 warps) on the H200 at every
-# length: at D=128, B=4, H=16, T=4,096, 128 x 64 tiles with 4 warps ran at 0.82x cuDNN against
-# 0.75x for the best 8-warp tile, and 0.87x against 0.81x at T=16,384.
-# Warp specialization (tl.range(..., warp_specialize=True)) splits a program into roles. Its own
-# warpgroup (4 warps) becomes a producer that only issues the TMA loads of K and V, into a ring
-# of two shared-memory buffers; the compiler adds two consumer warpgroups that only do the math,
-# 64 of the 128 query rows each, each waiting on a barrier for its next tile. The loads run ahead
-# without the registers a software pipeline spends on them, and the consumers take the registers
-# the producer does not need (232 a thread), so a 128 x 128 tile fits, which a plain 4-warp
-# program could not hold. Triton 3.6's Hopper pass runs only on programs launched with 4 warps,
-# and fails to compile a kernel with two key loops, so it serves the one-loop path: non-causal,
-# S a multiple of 128 (_prune_configs). D=128, T=4,096 and 16,384 on the H200: 4% faster than
-# the plain 128 x 64 tile; at D=64 the plain 64 x 128 tile stays 10% faster.
-# float32 at D=256 (float32 is there for checking): the 8-warp D=256 tiles compile its three-pass
-# products to wgmma, and on the H200 stage 06's dK/dV kernel then read outside shared memory
-# (compute-sanitizer). A 4-warp tile of 32 rows compiles them to mma.sync and runs clean, the
-# forward 1e-6 from float64; float32 inputs get it alone (float32_only).
+# Stage 06's tiles, each kept because it fits shared memory and spills (almost) no registers:
+# 128 query rows on one warpgroup, 64 or 128 keys a step. The warp-specialized 128 x 128 tile (a
+# producer warpgroup issues the K/V loads, two consumers do the math) serves only the one-loop
+# path (non-causal, S a multiple of 128); float32 at D=256 gets a 32-row mma.sync tile alone.
 _FWD_CONFIGS = (
     [_config(128, 128, 4, 2, (128,), warp_specialize=True)]
     + [_config(128, 64, 4, 2), _config(64, 64, 4, 3), _config(128, 128, 8, 3, (128,))]
@@ -1164,8 +1091,7 @@ def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, b, kvh, lo, hi, offs_m, T, S,
     return acc, m_i, l_i
 
 
-# The forward's prologue: one program per (query block, batch * query head), and the keys it
-# walks (stage 06's dQ kernel shared these three pieces).
+# The forward's prologue: its program's query block and heads, and the keys it walks.
 @triton.jit
 def _query_block_program(Hq, GROUP, CAUSAL: tl.constexpr):
     """This program's query block and (batch, query head, kv head). Causal: later query blocks see
@@ -1383,68 +1309,53 @@ def attention_torch(q, k, v, positions):
 # ------------------------------------------------------------------------------------------------
 # 17.4 continued: decode attention over a long cache, flash-decoding (chapter 19)
 # ------------------------------------------------------------------------------------------------
-# NEW in stage 07. A decode step attends one new query a row over that row's whole cache. Per
-# row and kv head the keys and values are 2 * S * D numbers, read once; the G query heads that
-# share them do 4 * G * S * D FLOPs with them (a dot product with every key, a multiple of every
-# value added): in bf16, G FLOPs a byte (4 for Qwen3-8B's 32/8 heads), where an H200 (~990 dense
-# bf16 TFLOP/s over ~4.8 TB/s) turns compute-bound only past ~200. The roofline is memory
-# bandwidth: a good kernel reads the cache once, at copy speed. Two things stand in the way.
-# - The heads. The flash kernel's shape, one program per query head, reads each kv head's cache
-#   G times. Here one program serves a kv head and all G query heads that read it: a tile of keys
-#   is loaded once and multiplied by the G queries at once (a (G, D) query block, padded to 16
-#   rows, the smallest tl.dot), which divides the bytes read by G. (The torch twin does worse: it
-#   copies each kv head G times before it multiplies.)
-# - The grid. One program per (row, kv head) is B * Hkv programs: 8 at batch 1 for 132 SMs, each
-#   streaming a cache of thousands of keys alone. So the keys are split into chunks
-#   (FlashDecoding, Dao et al. 2023): kernel 1 runs the online softmax of one chunk and writes
-#   its partial output, normalized, with its log-sum-exp; kernel 2 merges a head's partials with
-#   weights exp(lse_s - lse), lse the log-sum-exp over all splits. Splitting costs the partials:
-#   Hq * D fp32 numbers a split and row, written and read once, 2G / S of the cache's bytes
-#   (1/512 a split at G = 4 and 4,096 keys).
-# Lengths are ragged (each row up to its own position) and stay on the device: the grid is sized
-# from max_len, a bound the host knows, and a program whose chunk starts past its row's end
-# writes an empty partial (lse = -inf, weight 0). No host sync, so a CUDA graph can hold the
-# launch (its grid is fixed: a graph passes the cache's length as max_len).
+# NEW in stage 07. A decode step attends one new query a row over the row's whole cache. Per row
+# and kv head the cache holds 2 * S * D numbers, read once, and the G query heads that share them
+# do 4 * G * S * D FLOPs: in bf16, G FLOPs a byte (4 for Qwen3-8B), where an H200 turns
+# compute-bound only past ~200. The roofline is bandwidth: read the cache once, at copy speed.
+# - The heads. One program per query head (the flash kernel's shape) reads each kv head's cache G
+#   times. Here one program serves a kv head and its G query heads: each key tile is loaded once
+#   and multiplied by a (G, D) query block, padded to 16 rows (the smallest tl.dot).
+# - The grid. One program per (row, kv head) leaves most SMs idle at small batches while each
+#   program streams thousands of keys. So the keys are split into chunks (FlashDecoding, Dao et
+#   al. 2023): kernel 1 runs one chunk's online softmax and writes its normalized partial and
+#   log-sum-exp; kernel 2 merges a head's partials with weights exp(lse_s - lse). The partials
+#   cost 2G / S of the cache's bytes a split.
+# Ragged lengths stay on the device: the grid is sized from max_len, a host bound, and a chunk
+# past its row's end writes an empty partial (lse = -inf). No host sync, so a CUDA graph can hold
+# the launch (a graph passes the cache's length as max_len).
 
-# Tile of keys a step (BLOCK_N), warps and pipeline stages, autotuned per head size, chunk-length
-# bucket and dtype (not measured yet on the H200: the candidates are the usual ones for a
-# memory-bound loop; K and V tiles in flight take stages * 2 * BLOCK_N * D * 2 bytes of shared
-# memory, 96 KiB at 64 keys, 3 stages, D=128, bf16: two programs an SM).
+# Keys a step (BLOCK_N), warps and stages: the usual candidates for a memory-bound loop, autotuned
+# per head size, chunk bucket and dtype.
 _DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
                    for n, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2),
                                    (128, 8, 2))]
 if INTERPRET:
     _DECODE_CONFIGS = [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
 _DECODE_ALIGN = max(c.kwargs["BLOCK_N"] for c in _DECODE_CONFIGS)  # chunks are whole tiles
-# A shorter split's fixed costs (its query load, its partial) would show. 128 on the H200, batch
-# 1, 8 kv heads: over 272 keys 3 splits took 5.7 us against 7.1 for 2 (256 keys a split), over
-# 1,024 keys 8 took 5.9 against 7.4 for 4.
+# below this a split's fixed costs (its query load, its partial) show: at batch 1 over 272 keys
+# 3 splits took 5.7 us against 7.1 us for 2
 _MIN_SPLIT_KEYS = 128
 _MAX_SPLITS = 64  # the merge holds a head's partials in registers: (64, D) fp32
 
 
-# The key loop is shared with the paged kernels below: a key is found through a
-# contiguous row of the cache, or through the row's block table.
 @triton.jit
 def _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, lo, hi, last, qk_scale,
                  stride_kb, stride_kt, stride_vb, stride_vt, D: tl.constexpr,
                  PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax of the query rows q (M, D) over keys [lo, hi) of row b, BLOCK_N a step.
-    m_i, l_i (M,): running max (base 2) and sum; acc (M, D): the unnormalized output. K, V point
-    at this program's kv head. Key j is position j of row b of a (B, S) cache, or, PAGED, slot
-    j % PAGE of page BLOCK_TABLES[j // PAGE] of a (num_blocks, PAGE) pool (BLOCK_TABLES: row b's
-    block table; its entries past the row's keys are never read). MASKED: query row i sees the
-    keys <= last[i] only (last broadcasts against (1, BLOCK_N), a scalar or an (M, 1) column);
-    else every row sees every key of [lo, hi), which must then be whole tiles."""
+    """Online softmax of the query rows q (M, D) over keys [lo, hi) of row b, for the decode and
+    paged kernels. m_i, l_i (M,): running max (base 2) and sum; acc (M, D): the unnormalized
+    output. K, V point at this kv head. Key j is position j of row b of a (B, S) cache or, PAGED,
+    slot j % PAGE of page BLOCK_TABLES[j // PAGE] (row b's table). MASKED: row i sees keys <=
+    last[i] only (last: a scalar or an (M, 1) column); else [lo, hi) is whole tiles, all seen."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     for start in tl.range(lo, hi, BLOCK_N):
         keys = start + offs_n  # (BLOCK_N,)
         valid = keys < hi  # the ragged end of the range: never read past the row or its table
         if PAGED:
-            # a table entry per key (one per PAGE keys distinct, the rest from L1): each key
-            # row is D contiguous values anyway, so a gather of rows moves what a tile load does
+            # a table entry per key (the repeats hit L1); a key row is D contiguous values
             page = tl.load(BLOCK_TABLES + keys // PAGE, mask=valid, other=0).to(tl.int64)
             slot = keys % PAGE
         else:
@@ -1455,8 +1366,8 @@ def _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, lo, hi, last, qk_scale
         k = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         if _INTERPRET:
-            # Triton 3.6's interpreter multiplies bf16 tiles by their raw bits; fp32 tiles give
-            # the product the tensor cores compute (exact products, fp32 sums)
+            # the interpreter multiplies bf16 tiles by their raw bits; fp32 gives the tensor
+            # cores' product (exact products, fp32 sums)
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k.T, input_precision=DOT_PRECISION) * qk_scale  # (M, BLOCK_N)
@@ -1483,15 +1394,12 @@ def _decode_split_kernel(Q, K, V, BLOCK_TABLES, LENGTHS, OUT, O_PART, LSE_PART, 
                          DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """Kernel 1, one program per (row b, kv head, split s): keys [s * chunk, (s + 1) * chunk) of
-    row b, cut at the row's length, against the GROUP query heads of the kv head.
-    Q (B, Hq, D); K, V (B, Hkv, S, D), or with PAGED (the paged cache, chapter 25) pools viewed
-    as (num_blocks, Hkv, PAGE, D), row b's keys found through BLOCK_TABLES (B, max_blocks) int32
-    (row stride stride_tb; None unless PAGED); any strides, unit last stride. LENGTHS (B,): keys
-    of each row (clamped to max_len, so a wrong one never reads past the cache or the table).
-    qk_scale = sm_scale * log2(e). DIRECT (a single split): write the output itself to OUT
-    (B, Hq, D); else the normalized partial to O_PART (B, Hq, splits, D) and its log-sum-exp,
-    base 2, to LSE_PART (B, Hq, splits), both fp32. CHUNK_BUCKET: an autotune key only. PDL:
-    launched early, see _wait_for_inputs (chapter 19)."""
+    row b, cut at its length, against the GROUP query heads of the kv head. Q (B, Hq, D); K, V
+    (B, Hkv, S, D), or PAGED (chapter 25) pools viewed as (num_blocks, Hkv, PAGE, D) read through
+    BLOCK_TABLES (B, max_blocks) int32 (else None); unit last strides. LENGTHS (B,), clamped to
+    max_len so a wrong one reads nothing past the cache. qk_scale = sm_scale * log2(e). DIRECT (one
+    split): the output to OUT (B, Hq, D); else the partial to O_PART (B, Hq, splits, D) and its
+    base-2 log-sum-exp to LSE_PART (B, Hq, splits), fp32. PDL: see _wait_for_inputs."""
     _wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -1549,30 +1457,26 @@ def _decode_merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, Hq, SPLITS
 
 
 def decode_splits(batch, kv_heads, max_len, n_sms):
-    """The split rule: how many chunks each row's keys are cut into. Unsplit, the grid is
-    batch * kv_heads programs; split until it holds about four programs an SM (several run at
-    once on an SM, their loads in flight together, and the rest even out the last wave), but
-    keep at least _MIN_SPLIT_KEYS keys a split and at most _MAX_SPLITS splits. At batch 64 and
-    Hkv = 8 on an H200's 132 SMs that is 2 splits; at batch 1, 32 splits of a 4,096-key cache."""
+    """How many chunks each row's keys are cut into: enough for about four programs an SM
+    (their loads in flight together, the extra ones evening out the last wave), with at least
+    _MIN_SPLIT_KEYS keys a split and at most _MAX_SPLITS splits."""
     wanted = triton.cdiv(4 * n_sms, batch * kv_heads)
     return max(1, min(wanted, triton.cdiv(max_len, _MIN_SPLIT_KEYS), _MAX_SPLITS))
 
 
 def decode_attention(q, k_cache, v_cache, lengths, max_len=None, sm_scale=None, num_splits=None):
     """Attention of one new query a row over a KV cache: q (B, Hq, D), k_cache and v_cache
-    (B, Hkv, S, D) (views of KVCache's tensors do: any strides, unit last stride), lengths (B,)
-    int32 or int64 on q's device: row b attends to its keys 0..lengths[b]-1 -> (B, Hq, D).
-    max_len: a bound on lengths known on the host (default S; the engine passes its kv_len);
-    lengths stay on the device, unchecked, clamped to max_len. Query head h reads kv head
-    h // (Hq // Hkv); sm_scale defaults to 1/sqrt(D). num_splits forces the split count (the
-    tests run every path with it); by default decode_splits picks it."""
+    (B, Hkv, S, D) (any strides, unit last stride), lengths (B,) int32 or int64 on q's device:
+    row b attends to keys 0..lengths[b]-1 -> (B, Hq, D). max_len: a host bound on lengths
+    (default S); lengths stay on the device, clamped to it. sm_scale defaults to 1/sqrt(D).
+    num_splits forces the split count (for tests); by default decode_splits picks it."""
     max_len = _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_splits)
     return _split_decode(q, k_cache, v_cache, None, lengths, max_len, sm_scale, num_splits)
 
 
 def _split_decode(q, k, v, block_tables, lengths, max_len, sm_scale, num_splits):
-    """The launches of decode_attention and, with block_tables, paged_decode_attention (k, v then
-    the pools viewed as (num_blocks, Hkv, block_size, D)). Inputs checked; -> (B, Hq, D)."""
+    """The launches of decode_attention and, with block_tables, paged_decode_attention (k, v the
+    pools viewed as (num_blocks, Hkv, block_size, D)), on checked inputs -> (B, Hq, D)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     splits = num_splits or decode_splits(B, Hkv, max_len, _num_sms(q.device))
@@ -1657,35 +1561,26 @@ def _check_splits(fn, max_len, most, most_name, num_splits):
 # ------------------------------------------------------------------------------------------------
 # 17.4 continued: paged attention (chapter 25)
 # ------------------------------------------------------------------------------------------------
-# NEW in stage 07. KVCache (chapter 18) gives every row max_len slots up front: a row that ends
-# early, or never gets long, holds memory no other row can use, and rows of a batch cannot share
-# a prompt's keys. A paged cache (vLLM's PagedAttention, Kwon et al. 2023) cuts the cache into
-# pages of block_size slots, a pool per layer, k_cache and v_cache (num_blocks, block_size, Hkv,
-# D), handed out a page at a time as a sequence grows; a sequence's block table lists its pages
-# in order, so key j of row b lives at slot j % block_size of page block_tables[b, j //
-# block_size]. What the kernels pay for it: one 4-byte table entry per key, beside the 2 * D
-# bytes (bf16) that key row weighs per kv head, and loads gathered row by row instead of tiles
-# of consecutive rows; but each key row is D contiguous values, 256 bytes at D=128, so the
-# gather still moves whole 128-byte lines, and at copy speed the roofline is unchanged.
-# - Decode: the flash-decoding kernel above, with PAGED on: the same grid, splits and merge, its
-#   key loop (_attend_keys) looking each tile's keys up in the row's block table.
+# NEW in stage 07. KVCache (chapter 18) reserves max_len slots a row up front: a short row holds
+# memory no other can use, and rows cannot share a prompt's keys. A paged cache (vLLM's
+# PagedAttention, Kwon et al. 2023) cuts each layer's pools, k_cache and v_cache (num_blocks,
+# block_size, Hkv, D), into pages handed out as a sequence grows. A sequence's block table lists
+# its pages in order: key j of row b is slot j % block_size of page block_tables[b, j //
+# block_size]. The kernels pay a 4-byte table entry per key and gather key rows instead of
+# loading tiles, but a key row is D contiguous values (whole cache lines), so the roofline holds.
+# - Decode: the flash-decoding kernels above with PAGED on, looking each key up in the table.
 # - Prefill and extend: the new tokens of several sequences packed in one (N, Hq, D) tensor
-#   (cu_seqlens_q marks where each starts), their keys already written to the pool, each query
-#   seeing its sequence's keys up to its own position (causal, bottom-right: a chunk of 64 new
-#   tokens over a 1,000-key sequence sees the 936 before it too). Stage 06's kernel shape, one
-#   program per tile of queries, with the GQA trick of the decode kernel: a tile holds
-#   BLOCK_M // BLOCK_H tokens times the G query heads of one kv head (BLOCK_H = G rounded up to a
-#   power of two), so each K/V tile is loaded once for the G heads. Its keys fall in two loops:
-#   keys every row of the tile sees, unmasked, then the diagonal, masked.
-# Ragged lengths stay on the device in both (no host sync): the grids are sized from host
-# bounds, max_len and max_q_len, and a program past its row's end exits or writes an empty
-# partial. paged_attention_torch is the plain version, for the CPU engine and the tests.
+#   (cu_seqlens_q marks where each starts), their keys already in the pool, each query seeing its
+#   sequence's keys up to its own position (bottom-right causal). Stage 06's shape, a program per
+#   tile of queries, with the decode kernel's GQA trick: a tile holds BLOCK_M // BLOCK_H tokens
+#   times the G query heads of one kv head (BLOCK_H = G rounded up to a power of two), so each
+#   K/V tile is loaded once for the G heads; unmasked keys first, then the diagonal, masked.
+# Both size their grids from host bounds (max_len, max_q_len); ragged lengths stay on the device.
+# paged_attention_torch is the plain version, for the CPU engine and the tests.
 
-# Tiles of the prefill kernel: BLOCK_M query rows (tokens x heads of a group), BLOCK_N keys a
-# step, 2 stages (the loads are gathers, not TMA copies). Each candidate was compiled for sm_90a
-# (ptxas, no GPU) and kept if it spills no registers: the gathered tiles' addresses take many,
-# so the tiles are smaller than stage 06's (at D=128, 64 x 64 with 8 warps spills 504 bytes).
-# Their speeds are not measured on the H200 yet.
+# The prefill's tiles: BLOCK_M rows (tokens x heads of a group), 2 stages (the loads are gathers,
+# not TMA copies); smaller than stage 06's, as the gathers' addresses take registers: each one
+# kept spills none (compiled for sm_90a).
 _PAGED_PREFILL_CONFIGS = (
     [_config(m, n, w, 2, (32, 64)) for m, n, w in ((16, 32, 4), (32, 32, 4), (64, 32, 8),
                                                    (64, 64, 8), (128, 32, 8))]
@@ -1699,9 +1594,8 @@ if INTERPRET:
 
 
 def _prune_paged_prefill_configs(configs, named_args, **kwargs):
-    """The configurations made for this head size that hold at least one token (BLOCK_M >=
-    BLOCK_H); a group wider than every tile gets tiles of one token. float32 inputs, there for
-    checking, get one configuration untuned (as _prune_configs)."""
+    """The configurations for this head size that hold a token (BLOCK_M >= BLOCK_H), else one of
+    one token; float32 inputs get one untuned (as _prune_configs)."""
     kept = [c for c in configs
             if kwargs["D"] in c.head_dims and c.kwargs["BLOCK_M"] >= kwargs["BLOCK_H"]]
     if not kept:
@@ -1720,16 +1614,13 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
                           Q_BUCKET, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                           PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (tile of new tokens, sequence b, kv head): BLOCK_M // BLOCK_H tokens of
-    sequence b, each with the GROUP query heads of the kv head (row r of the tile: token
-    r // BLOCK_H, head r % BLOCK_H; heads past GROUP are padding).
-    Q, OUT (N, Hq, D): the sequences' new tokens, sequence b's at rows CU_SEQLENS_Q[b] ..
-    CU_SEQLENS_Q[b + 1] - 1 (clamped to N). K, V: pools viewed as (num_blocks, Hkv, PAGE, D),
-    found through BLOCK_TABLES (B, max_blocks) int32, row stride stride_tb. LENGTHS (B,): keys
-    of each sequence, its new ones included (clamped to max_keys = max_blocks * PAGE, so a wrong
-    one never reads past the table): new token t of q_len sits at position
-    LENGTHS[b] - q_len + t and sees keys 0 through that position. Any strides, unit last
-    stride. qk_scale = sm_scale * log2(e). Q_BUCKET: an autotune key only."""
+    """One program per (tile of new tokens, sequence b, kv head): row r of the tile is token
+    r // BLOCK_H with query head r % BLOCK_H of the kv head's group (past GROUP: padding).
+    Q, OUT (N, Hq, D): sequence b's new tokens at rows CU_SEQLENS_Q[b] .. CU_SEQLENS_Q[b + 1] - 1.
+    K, V: pools viewed as (num_blocks, Hkv, PAGE, D), read through BLOCK_TABLES (B, max_blocks)
+    int32. LENGTHS (B,): keys of each sequence, new ones included (clamped to max_keys = max_blocks
+    * PAGE): new token t sits at position LENGTHS[b] - q_len + t and sees keys up to it. Unit
+    last strides. qk_scale = sm_scale * log2(e). Q_BUCKET: an autotune key only."""
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_H  # tokens a tile
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # later tokens see more keys: start first
     b = tl.program_id(1).to(tl.int64)
@@ -1753,8 +1644,7 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # keys [0, full) are visible to every row (whole tiles); [full, hi) hold the diagonal; no
-    # row sees a key from hi on
+    # keys [0, full): seen by every row (whole tiles); [full, hi): the diagonal; none past hi
     full = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(first + BLOCK_Q, length)
     K += kvh * stride_kh
@@ -1774,12 +1664,10 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
 def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, max_len=None,
                            sm_scale=None, num_splits=None):
     """decode_attention over a paged cache: q (B, Hq, D); k_cache, v_cache (num_blocks,
-    block_size, Hkv, D) pools, block_size a power of two; block_tables (B, max_blocks) int32:
-    key j of row b at k_cache[block_tables[b, j // block_size], j % block_size]; entries past a
-    row's last page are never read; lengths (B,) int32 or int64: row b attends to its keys
-    0..lengths[b]-1 -> (B, Hq, D). All on one device; any strides, unit last stride. max_len: a
-    bound on lengths known on the host (default max_blocks * block_size); lengths stay on the
-    device, clamped to max_len. sm_scale and num_splits as decode_attention's."""
+    block_size, Hkv, D), block_size a power of two; block_tables (B, max_blocks) int32 (entries
+    past a row's last page are never read); lengths (B,) int32 or int64 -> (B, Hq, D). One
+    device, unit last strides. max_len defaults to max_blocks * block_size; max_len, sm_scale and
+    num_splits as decode_attention's."""
     fn = "paged_decode_attention"
     _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale)
     (B, max_blocks), page = block_tables.shape, k_cache.shape[1]
@@ -1796,11 +1684,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, len
     """Causal attention of the new tokens of B sequences over a paged cache that already holds
     their keys and values: q (N, Hq, D), sequence b's q_len_b tokens at rows cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1] - 1 (cu_seqlens_q (B + 1,) int32, from 0); lengths (B,) int32 or int64,
-    keys of each sequence with its new ones, so new token t sits at position lengths[b] - q_len_b
-    + t and attends to keys 0 through it (bottom-right aligned; q_len_b = 1 is a decode).
-    k_cache, v_cache, block_tables as paged_decode_attention's; max_q_len: a host bound on the
-    q_len_b (the grid). sm_scale defaults to 1/sqrt(D). -> (N, Hq, D) in q's dtype; rows no
-    sequence claims are left unwritten."""
+    keys of each sequence with its new ones: new token t at position lengths[b] - q_len_b + t
+    sees keys 0 through it. k_cache, v_cache, block_tables as paged_decode_attention's;
+    max_q_len: a host bound on the q_len_b. -> (N, Hq, D); rows no sequence claims unwritten."""
     fn = "paged_prefill_attention"
     _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale)
     B, N = block_tables.shape[0], q.shape[0]
@@ -1888,7 +1774,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, lengt
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
-        C, Hq, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        C, Hq, Hkv, D = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                         cfg.head_dim)
         self.q_proj = nn.Linear(C, Hq * D, bias=False)
         self.k_proj = nn.Linear(C, Hkv * D, bias=False)
         self.v_proj = nn.Linear(C, Hkv * D, bias=False)
@@ -1904,9 +1791,10 @@ class Attention(nn.Module):
         Qwen3.hidden_states."""
         B, T, _ = x.shape
         cos, sin, positions = rope
-        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        # q (B, Hq, T, D); k, v (B, Hkv, T, D)
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, k, v, positions)
@@ -2009,7 +1897,8 @@ class Qwen3(nn.Module):
 
 
 def _check_ids(ids, vocab_size):
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+    if (not isinstance(ids, torch.Tensor) or ids.dim() != 2
+            or ids.dtype not in (torch.int64, torch.int32)):
         raise ValueError(f"input_ids must be a (B, T) tensor of int64 or int32 token ids, got "
                          f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__} "
                          f"{tuple(getattr(ids, 'shape', ()))}")
@@ -2017,24 +1906,20 @@ def _check_ids(ids, vocab_size):
     if ids.numel() and not capturing:
         low, high = (int(x) for x in torch.aminmax(ids))
         if low < 0 or high >= vocab_size:
-            raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {low} to {high}")
+            raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {low} to "
+                             f"{high}")
 
 
 # ----------------------------------------------------------------------------------------------
 # Chapter 16. The KV cache
 # ----------------------------------------------------------------------------------------------
-# Without a cache, token n of a generation recomputes the keys and values of all n - 1 tokens
-# before it: O(n^2) work for n tokens. They never change (a causal model's token t depends on
-# tokens <= t only), so compute each once and keep it: a decode step then runs the model on one
-# token a row and reads the rest from the cache. Per token the cache holds 2 * L * Hkv * D values:
-# 112 KiB for Qwen3-0.6B in bf16 (28 x 8 x 128 x 2 x 2 bytes), 144 KiB for Qwen3-8B; grouped-query
-# attention is what keeps that small (Hkv = 8 kv heads where Hq = 16 or 32 query heads).
-#
-# Preallocated: the engine knows before the first token how long each sequence may get (prompt +
-# max_tokens), so the cache is allocated once, for the whole batch, and each step writes into it.
-# (transformers' default cache concatenates one more token per step instead: a new allocation
-# and a copy of the whole cache, every step, every layer.) This cache serves the model's own path;
-# the engine keeps its keys and values in a paged cache (chapter 25) that many sequences share.
+# Without a cache, token n recomputes the keys and values of the n - 1 tokens before it: O(n^2)
+# work for n tokens. They never change (a causal model's token t depends on tokens <= t only),
+# so each is computed once and kept, and a decode step runs the model on one token a row. A token
+# takes 2 * L * Hkv * D values (112 KiB in Qwen3-0.6B, bf16), kept small by grouped-query
+# attention's few kv heads. The cache is allocated once, for the batch's longest sequence, and
+# each step writes into it (transformers' default cache grows by a concatenation every step).
+# This is the model's own cache; the engine's is paged (chapter 25).
 
 class KVCache:
     """Keys and values of every layer for `rows` sequences of up to `length` positions:
@@ -2070,38 +1955,33 @@ class KVCache:
 # ----------------------------------------------------------------------------------------------
 # Chapter 18. Engine v1: prefill, then decode over the cache
 # ----------------------------------------------------------------------------------------------
-# The simplest engine serves one static batch. Its prompts, padded on the right to one length,
-# are prefilled in one forward pass, which writes every token's keys and values into a KVCache
-# (a row's padding is overwritten by its own later tokens, position by position); then each
-# decode step runs one token a row, at the row's own position, over the cache. Tokens are
-# sampled on the device by the Sampler (chapter 34) and read back at the end, so no step waits
-# for the host: a row that meets an eos runs on until the whole batch has (checked every
-# EOS_CHECK_STEPS steps), its extra tokens dropped. That waste, and a new request's wait for the
-# whole batch to end, are what continuous batching removes (chapter 24).
-#
-# On a GPU a decode step is replayed from a CUDA graph (cuda_graph): the whole forward pass is
-# launched by one call instead of a few hundred from Python. A graph replays fixed shapes and
-# addresses, so its inputs are copied into buffers of its own, and attention reads the whole
-# cache every step, each row up to its own position: positions past a row's last are masked,
-# and add exact zeros. The plain loop runs the same step, without the graph.
+# The simplest engine serves one static batch. The prompts, padded on the right to one length,
+# are prefilled in one forward pass that writes every token's keys and values into a KVCache (a
+# row's padding is overwritten by its own later tokens); then each decode step runs one token a
+# row, at the row's own position. Tokens are sampled on the device (the Sampler, chapter 34) and
+# read back once at the end, so no step waits for the host: a row that meets an eos runs on until
+# every row has (checked every EOS_CHECK_STEPS steps). That waste, and a new request's wait for
+# the batch to end, are what continuous batching removes (chapter 24). On a GPU the decode step
+# is replayed from a CUDA graph: one launch instead of a few hundred from Python. A graph replays
+# fixed shapes, so its attention reads the whole cache, each row masked past its own position.
 
 EOS_CHECK_STEPS = 16
 
 
-def cuda_graph(fn, *args):
-    """fn(*args), tensors in and a tensor out, captured in a CUDA graph. Returns replay(*args),
-    which copies its arguments into the graph's own input buffers, replays it, and returns the
-    graph's output (overwritten by the next replay). A run before the capture, on a side
-    stream as capturing requires, compiles and autotunes the kernels (a capture may not), on
-    the first arguments: whatever it writes, the first replay writes again."""
-    inputs = [x.clone() for x in args]
-    side = torch.cuda.Stream(args[0].device)
-    side.wait_stream(torch.cuda.current_stream(args[0].device))
+def cuda_graph(fn, *args, pool=None):
+    """fn(*args), tensors in and out, captured in a CUDA graph. Returns replay(*args), which
+    copies its arguments into the graph's own input buffers, replays the graph (replay.graph)
+    and returns its output (overwritten by the next replay). A run on the first arguments
+    before the capture compiles and autotunes the kernels, which a capture may not do: whatever
+    it writes, the first replay writes again. pool: a memory pool shared with other graphs."""
+    inputs, device = [x.clone() for x in args], args[0].device
+    side = torch.cuda.Stream(device)  # the run before the capture goes off the main stream
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         fn(*inputs)
-    torch.cuda.current_stream(args[0].device).wait_stream(side)
+    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         output = fn(*inputs)
 
     def replay(*xs):
@@ -2109,18 +1989,18 @@ def cuda_graph(fn, *args):
             buffer.copy_(x)
         graph.replay()
         return output
+    replay.graph = graph
     return replay
 
 
 @torch.inference_mode()
 def generate(model, prompts, params=None, eos_token_ids=(), cuda_graph_decode=True):
-    """Engine v1: the generated ids of each prompt (a list of token ids), a list each, the eos
-    or stop id that ended it included; sampled as `params` (a SamplingParams; default greedy,
-    16 tokens) asks, every row of the batch with its own random stream when seeded. A row ends at
-    one of eos_token_ids (unless params.ignore_eos) or params.stop_token_ids, or after
-    max_tokens (None: up to the model's context). Structured output and logprobs are the
-    engine's (LLM.generate). cuda_graph_decode: replay decode steps from a CUDA graph (on a
-    GPU)."""
+    """Engine v1: the ids generated for each prompt (a list of token ids), the eos or stop id
+    that ended it included, sampled as `params` asks (default: greedy, 16 tokens), each row with
+    its own random stream when seeded. A row ends at one of eos_token_ids (unless ignore_eos) or
+    params.stop_token_ids, or after max_tokens (None: up to the model's context). Structured
+    output and logprobs are the engine's (LLM.generate). cuda_graph_decode: on a GPU, replay the
+    decode steps from a CUDA graph."""
     params = SamplingParams(temperature=0) if params is None else params
     cfg, device = model.cfg, _device_of(model)
     _check_v1_request(prompts, params, cfg)
@@ -2143,7 +2023,8 @@ def generate(model, prompts, params=None, eos_token_ids=(), cuda_graph_decode=Tr
     out = torch.empty(B, max_tokens, dtype=torch.int64, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
     for i in range(max_tokens):
-        out[:, i] = tokens = sampler(logits, batch)[0]  # (B,)
+        tokens = sampler(logits, batch)[0]  # (B,)
+        out[:, i] = tokens
         ended |= torch.isin(tokens, stop)
         if i + 1 == max_tokens or (i + 1) % EOS_CHECK_STEPS == 0 and bool(ended.all()):
             break
@@ -2177,46 +2058,30 @@ def _check_v1_request(prompts, params, cfg):
 # ----------------------------------------------------------------------------------------------
 # Chapter 19. Fast decode: fewer kernels, replayed from a CUDA graph
 # ----------------------------------------------------------------------------------------------
-# NEW in stage 07. A decode step at batch 1 has little to do: Qwen3-0.6B reads its 1.2 GB of
-# weights once, under 0.3 ms at an H200's copy bandwidth. The model's own path puts 851 kernels
-# and copies on the GPU for one step (three projections, two q/k norms, RoPE's cat, multiplies
-# and adds, two cache writes, the residual adds... in each of 28 layers), each launched from
-# Python for more host time than the GPU needs to run it. Three changes close much of the gap:
-# - Fewer kernels: q, k and v projected by one matmul over their concatenated weights
-#   (fuse_projections), gate and up by another; the q/k norms, RoPE and the cache write of k and
-#   v in one kernel (qk_norm_rope). At batch 1 the projections (those of up to 3,072 columns:
-#   all of Qwen3-0.6B's, _on_matvec) run on a matrix-vector kernel (matvec) that also does the
-#   residual add and RMSNorm before it, or the SwiGLU; the others are cuBLAS's matmuls, with the
-#   add and norm (add_rms_norm) and SwiGLU (swiglu_halves) as kernels of their own.
-#   forward_packed is the whole step on them, for the tokens of many sequences at once (a
-#   decode step is one token a sequence; chapter 24 packs prompts in too): for Qwen3-0.6B 171
-#   GPU ops at batch 1, 285 at batch 16 (over a short cache, one attention split; a longer one
-#   adds a merge kernel a layer). It equals the model's path up to rounding: each kernel
-#   computes in fp32 and rounds once, where torch rounds after every op.
-# - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
-#   (DecodeGraphs), whose replay launches all of it with one call. A graph replays fixed
-#   addresses and shapes: the ids, positions, slots and block tables are copied into its input
-#   buffers, the paged cache is the same tensors throughout, a batch is padded up to its bucket,
-#   and attention is bounded by the longest sequence allowed, each row's own length staying on
-#   the device.
-# - No idle gap between kernels: matvec, qk_norm_rope and decode attention start while the
-#   kernel before them ends (programmatic dependent launch, below). The 0.6B step's graph at
-#   batch 1, in one run: 755 us with it, 877 without.
-# What is left is the host: the graph's launch, the sampler and the token's trip to the host,
-# during which the GPU would wait. With async_scheduling (LLMEngine.step) step n + 1 is
-# launched, fed with step n's tokens on the device, before those tokens are read back, so the
-# host's work overlaps the GPU's (Qwen3-0.6B at batch 1: a step of 784 us, 1,124 without).
+# NEW in stage 07. A decode step at batch 1 reads each weight once (Qwen3-0.6B: 1.2 GB, a
+# quarter of a millisecond at copy bandwidth), but the model's own path launches 851 kernels from
+# Python to do it, each costing the host more than the GPU. Three changes close much of the gap:
+# - Fewer kernels. q, k and v are projected by one matmul over their concatenated weights
+#   (fuse_projections), gate and up by another; the q/k norms, RoPE and the cache write are one
+#   kernel (qk_norm_rope); at batch 1 the projections run on a matrix-vector kernel (matvec)
+#   that takes in the residual add and RMSNorm, or the SwiGLU, in front of it. forward_packed is
+#   the step on them, over the tokens of many sequences packed side by side (chapter 24 packs
+#   prompts in too): 171 GPU ops at batch 1. Each kernel computes in fp32 and rounds once, so the
+#   step equals the model's path up to rounding.
+# - No Python between kernels: the step is captured in a CUDA graph per batch-size bucket
+#   (DecodeGraphs) and replayed with one call, the batch padded to its bucket and attention
+#   bounded by the longest sequence allowed.
+# - No gap between kernels: the stage's kernels launch while the one before them ends
+#   (programmatic dependent launch, below).
+# What is left is the host's work between steps, which async scheduling overlaps (LLMEngine).
 
-# Programmatic dependent launch (PDL, Hopper on). Even inside a graph, a kernel starts only after
-# the previous one has ended: its programs are scheduled, its first loads go out and come back,
-# while the GPU waits, a few us a kernel, many times over in a step of 171 kernels. Launched with
-# launch_pdl, the fast step's own kernels (matvec, qk_norm_rope, decode attention; the others
-# are torch's and cuBLAS's) start while the previous one runs: each calls _wait_for_inputs
-# before it reads anything an earlier kernel writes (and before it writes), and the
-# matrix-vector kernel loads its first weight tile before that call, so the weights are on
-# their way while the previous kernel finishes. A kernel that waits also waited for the ones
-# before it, so every launched-early kernel must wait, in every program, even if it reads no
-# earlier output.
+# Programmatic dependent launch (PDL, Hopper on). Even inside a graph a kernel starts only after
+# the previous one has ended, and its first loads then take their time while the GPU waits.
+# Launched with launch_pdl, the stage's kernels start early: each calls _wait_for_inputs before
+# it reads (or writes) anything an earlier kernel touches, and matvec loads its first weight
+# tile before that, so the weights are on their way while the previous kernel finishes. A
+# kernel that waited also waited for those before it, so every early kernel must wait, in every
+# program, even one that reads no earlier output.
 @functools.lru_cache(maxsize=None)
 def _pdl(device):
     """Whether kernels on `device` launch early (programmatic dependent launch): sm_90 and up."""
@@ -2247,14 +2112,11 @@ def add_rms_norm(x, residual, weight, eps):
 def _qk_norm_rope_kernel(QKV, POS, SLOTS, INV_FREQ, QW, KW, Q, K, V, eps, stride_ks, stride_kh,
                          Hq: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr,
                          BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    # One program per token n, all its heads at once (H = Hq + 2 Hkv, padded to BLOCK_H rows):
-    # heads 0..Hq-1 of a QKV row are query heads, written to Q (N, Hq, D); the next Hkv key
-    # heads and the last Hkv value heads go into the layer's paged cache K, V (slots, Hkv, D) at
-    # the token's slot SLOTS[n]. Queries and keys are normalized with their weight and rotated
-    # (RoPE, rotate-half: value i pairs with value i + D/2) at position POS[n]; values are copied
-    # as they are. The token's cos and sin are computed once for all its heads: a program per
-    # (token, head) computed them H times, and took 20 us a layer for a 512-token prompt on
-    # the H200, against a few us for this one.
+    # One program per token n, all its heads at once (H = Hq + 2 Hkv, padded to BLOCK_H rows),
+    # so that its cos and sin are computed once, not once a head. Query heads go to Q (N, Hq, D);
+    # key and value heads into the layer's paged cache K, V (slots, Hkv, D) at slot SLOTS[n].
+    # Queries and keys are normalized and rotated (rotate-half: value i pairs with i + D/2) at
+    # position POS[n]; values pass through.
     _wait_for_inputs(PDL)
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
@@ -2353,22 +2215,15 @@ def swiglu_halves(gate_up):
     return y
 
 
-# Matrix-vector products. At batch 1 every projection multiplies one row by a weight matrix:
-# each weight value is read once for two FLOPs, so only bandwidth counts, and Qwen3-0.6B's are
-# small (4-13 MB). cuBLAS's kernels for one row leave most of the bandwidth unused, so these
-# products run on _matvec_kernel: each program takes BLOCK_N weight rows, streams them in
-# BLOCK_K-wide tiles, multiplies on the CUDA cores (one row is too little for the tensor cores)
-# into a (BLOCK_N, BLOCK_K) fp32 accumulator and sums it once at the end; many small programs
-# keep the loads in flight. On the H200, replayed back to back: o_proj 2.8 us against cuBLAS's
-# 12.8; down_proj with its SwiGLU 3.0 against 7.9 for swiglu_halves and cuBLAS. The kernel
-# also takes in the elementwise work before the product:
-# - NORM: RMSNorm of x (after ADD: x + residual, the residual stream, which program 0 writes
-#   out), each program recomputing the row's sum of squares: one row is a few KB, read from L2;
-# - SWIGLU: x holds gate | up, and the product reads silu(gate) * up.
-# Each rounds where add_rms_norm and swiglu_halves round, so the fused step computes what the
-# unfused one does, up to the order of the fp32 sums. One row only: a version over 2 or 4 rows
-# lost to cuBLAS on half the shapes (4 rows of gate_up: 12.9 us against 6.2), so batches of 2
-# and more stay on cuBLAS.
+# Matrix-vector products. At batch 1 a projection reads each weight once for two FLOPs: only
+# bandwidth counts, and cuBLAS's kernels for one row leave much of it unused (o_proj 12.8 us on
+# cuBLAS, 2.8 here). Each program streams BLOCK_N weight rows in BLOCK_K-wide tiles through the
+# CUDA cores (one row is too little for the tensor cores) into an fp32 accumulator, summed once
+# at the end; many small programs keep loads in flight. The kernel also takes in the work before
+# the product: NORM, RMSNorm of x (after ADD, x + residual, which program 0 writes back as the
+# residual stream; every program recomputes the row's norm from L2), or SWIGLU, silu(gate) * up
+# of x = gate | up. Each rounds where add_rms_norm and swiglu_halves round. Batches of 2 and
+# more stay on cuBLAS, where a many-row version lost.
 _MATVEC_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 8),
                                    (16, 512, 4), (16, 512, 8))]
@@ -2486,17 +2341,15 @@ def fuse_projections(model):
 
 
 def _on_matvec(x, weight):
-    """Whether x @ weight^T runs on matvec: a single row, up to 3,072 columns. Measured on the
-    H200 at batch 1: Qwen3-0.6B's step (1,024-3,072 columns) took 784 us on matvec, 856 with
-    its output layer on cuBLAS; Qwen3-8B's (4,096 and 12,288) 5.26 ms on matvec, 4.77 on cuBLAS,
-    whose kernels stream long rows better (down_proj cold: 62.6 us against 39.6)."""
+    """Whether x @ weight^T runs on matvec: a single row of up to 3,072 columns (all of
+    Qwen3-0.6B's). cuBLAS streams longer rows better: Qwen3-8B's step was faster on it."""
     return x.shape[0] == 1 and weight.shape[1] <= 3072
 
 
 def norm_linear(x, residual, norm, weight):
     """norm(x + residual) @ weight^T and x + residual, the new residual stream (residual None:
-    x itself); norm: an RMSNorm. On the kernels: one matvec launch where _on_matvec says so (a
-    single row, up to 3,072 columns), else add_rms_norm (which adds in place) and cuBLAS."""
+    x itself); norm: an RMSNorm. On the kernels: one matvec where _on_matvec says so, else
+    add_rms_norm (which adds in place) and cuBLAS."""
     if not norm.kernels:  # the torch twin
         x = x if residual is None else x + residual
         return F.linear(norm(x), weight), x
@@ -2533,12 +2386,10 @@ class AttentionMetadata:
     sample_rows: torch.Tensor  # (S,) int64: the rows whose logits the step needs
 
 
-# Attention backends (chapter 32): one small interface, attention(q, k_cache, v_cache, meta) ->
-# (N, Hq, D) for the packed queries q (N, Hq, D) over one layer's paged cache, whose keys and
-# values for this step's tokens are already written. The Triton one runs decode steps on the
-# paged decode kernel (split over the keys) and every other step on the paged prefill kernel;
-# the torch one gathers each sequence's blocks and runs plain attention: the reference, and
-# the CPU's engine.
+# Attention backends (chapter 32): attention(q, k_cache, v_cache, meta) -> (N, Hq, D) for the
+# packed queries q (N, Hq, D) over one layer's paged cache, this step's keys already written. The
+# Triton one runs a decode step on the paged decode kernel and any other on the paged prefill
+# kernel; the torch one gathers each sequence's blocks for plain attention (the CPU's engine).
 
 def triton_attention(q, k_cache, v_cache, meta):
     if meta.max_q_len == 1:
@@ -2592,55 +2443,33 @@ def graph_bucket(batch):
 
 class DecodeGraphs:
     """forward_packed of a decode step (one token a sequence) captured in a CUDA graph per
-    batch-size bucket, over one paged cache. Each graph reads its own input buffers (ids,
-    positions, slots, lengths, block tables) and writes its own logits; the caller fills a
-    bucket's rows past the batch with padding (length 0, the scratch slot), so that they read
-    nothing and write where no sequence reads. Attention is bounded by max_len, the longest
-    sequence the engine allows: a graph's launches never depend on the batch's lengths. The
-    graphs share one memory pool: they never run at the same time."""
+    batch-size bucket, over one paged cache. The caller pads a bucket's rows past the batch
+    (length 0, the scratch slot): they read nothing and write where no sequence reads. Block
+    tables are padded to the width of the longest sequence allowed, max_len, which bounds
+    attention: a graph's launches never depend on the batch's lengths. The graphs share one
+    memory pool: they never run at the same time."""
 
     def __init__(self, model, kv, max_len, attention):
         self.model, self.kv, self.max_len, self.attention = model, kv, max_len, attention
-        self.graphs = {}  # bucket -> (graph, inputs, logits)
+        self.width = triton.cdiv(max_len, kv[0].shape[2])  # blocks of the longest sequence
+        self.graphs = {}  # bucket -> cuda_graph's replay
         self.pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()  # the graphs' buffers are inference tensors (ModelRunner's mode)
     def __call__(self, ids, positions, meta):
         """Logits (bucket, V) of the step; every input has the bucket's rows."""
         bucket = ids.shape[0]
+        tables = F.pad(meta.block_tables, (0, self.width - meta.block_tables.shape[1]))
         if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(ids, positions, meta)
-        graph, inputs, logits = self.graphs[bucket]
-        width = meta.block_tables.shape[1]
-        for buffer, x in zip(inputs, (ids, positions, meta.slots, meta.lengths)):
-            buffer.copy_(x)
-        inputs[-1][:, :width].copy_(meta.block_tables)  # columns past width: never read
-        graph.replay()
-        return logits
+            fixed = meta.cu_seqlens_q, meta.sample_rows  # a decode bucket's: always the same
 
-    def _capture(self, ids, positions, meta):
-        """Capture a bucket's graph. The warm-up run before it (which compiles and autotunes the
-        kernels, work a capture may not do) takes this step's own inputs, so the keys and values
-        it writes are the ones the replay writes again."""
-        bucket, device = ids.shape[0], ids.device
-        width = triton.cdiv(self.max_len, self.kv[0].shape[2])  # blocks of the longest sequence
-        tables = torch.zeros(bucket, width, dtype=torch.int32, device=device)
-        tables[:, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        inputs = (ids.clone(), positions.clone(), meta.slots.clone(), meta.lengths.clone(), tables)
-        graph_meta = AttentionMetadata(
-            slots=inputs[2], cu_seqlens_q=meta.cu_seqlens_q, lengths=inputs[3], block_tables=tables,
-            max_q_len=1, max_len=self.max_len, sample_rows=meta.sample_rows)
-        run = functools.partial(forward_packed, self.model, inputs[0], inputs[1], self.kv,
-                                graph_meta, self.attention)
-        side = torch.cuda.Stream(device)  # warm-up off the main stream, as capture requires
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = run()
-        return graph, inputs, logits
+            def step(ids, positions, slots, lengths, tables):
+                meta = AttentionMetadata(slots, fixed[0], lengths, tables, 1, self.max_len,
+                                         fixed[1])
+                return forward_packed(self.model, ids, positions, self.kv, meta, self.attention)
+            self.graphs[bucket] = cuda_graph(step, ids, positions, meta.slots, meta.lengths,
+                                             tables, pool=self.pool)
+        return self.graphs[bucket](ids, positions, meta.slots, meta.lengths, tables)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2767,20 +2596,16 @@ class RequestOutput:
 # Chapters 25 and 31. The paged KV cache (BlockManager): blocks, block tables, prefix caching
 # ----------------------------------------------------------------------------------------------
 # The model runner's cache is a pool of num_blocks blocks of block_size token slots, and each
-# sequence owns a block table: the ids of its blocks, in token order. Paging means no sequence
-# reserves slots for its longest possible length up front; it takes a block when it needs one,
-# so the only waste is the unfilled tail of each sequence's last block.
+# sequence owns a block table: the ids of its blocks, in token order (tokens [i * block_size,
+# (i + 1) * block_size) live in block table[i]). No sequence reserves its longest possible length
+# up front: it takes a block when it needs one, and the only waste is its last block's tail.
 #
 # Sequences whose prompts start alike (a system prompt, a chat's earlier turns) share the blocks
-# of that prefix instead of computing them again, so a block carries a reference count: the
-# number of tables that hold it. A full block is named by a chained hash, of its tokens and of
-# its parent block's hash, because its keys and values depend on every token before it, not on
-# its own tokens alone. A cached block whose count falls to 0 keeps its contents and its name
-# and may still be found by a later prompt; it is reused for other tokens only when no block is
-# left on the free list, least recently freed first (LRU).
-#
-# Legend: a block table is a list[int] of block ids; tokens [i * block_size, (i + 1) * block_size)
-# of a sequence live in block table[i].
+# of that prefix (chapter 31), so a block counts the tables that hold it. A full block is named
+# by a chained hash of its tokens and its parent block's hash, because its keys and values depend
+# on every token before it. A cached block whose count falls to 0 keeps its contents and name for
+# a later prompt to find; it is reused for other tokens only when the free list is empty, least
+# recently freed first (LRU).
 
 def block_hash(parent, token_ids):
     """The 16-byte chained hash of a full block: its parent block's hash (None for a sequence's
@@ -2961,11 +2786,13 @@ class Scheduler:
     first, oldest first (a decode takes one token of the budget, a prompt being prefilled its
     next chunk); then waiting ones, first come first served, while the step has budget and a
     sequence slot left, the last one admitted possibly with a chunk of its prompt only. The
-    step's tokens never exceed the budget; a preempted sequence resumes with the output it had."""
+    step's tokens never exceed the budget; a preempted sequence resumes with the output it had.
+    config: the EngineConfig (its budgets, max_num_seqs and max_num_batched_tokens)."""
 
-    def __init__(self, block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids):
+    def __init__(self, block_manager, config, eos_token_ids):
         self.block_manager, self.block_size = block_manager, block_manager.block_size
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = deque()
         self.running = []  # in the order of admission: the last one is preempted first
@@ -3108,7 +2935,7 @@ class ModelRunner:
     """Turns a step's packed sequences into tensors, runs the model and samples. It owns the
     paged KV cache, allocated once; decode steps replay CUDA graphs on a GPU (unless
     enforce_eager), other steps run forward_packed eagerly. launch() only queues the work and
-    starts copying the sampled tokens back: the StepHandle's read() waits for them."""
+    starts copying the sampled tokens back: the StepHandle's wait() waits for them."""
 
     def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False):
         self.model = fuse_projections(model)
@@ -3227,8 +3054,7 @@ class ModelRunner:
         for row, table in enumerate(tables):
             table_array[row, :len(table)] = table
         # two copies to the device, of the int64 inputs and of the int32 ones, not one an input:
-        # a copy costs the host ~30 us (pinning, launching it), and the host builds a step while
-        # the GPU runs the last one (64 decodes, H200: 91 us for the two, 245 for nine)
+        # each copy costs the host tens of microseconds, while the GPU runs the last step
         dst, src = zip(*pending) if pending else ((), ())
         ids_d, positions_d, slots_d, rows_d, dst, src = self._ints_to_device(
             torch.int64, ids, positions, slots, sample_rows, dst, src)
@@ -3595,8 +3421,7 @@ class LLMEngine:
     def __init__(self, runner, block_manager, config, *, eos_token_ids, tokenizer=None,
                  speculator=None):
         self.runner, self.block_manager, self.config = runner, block_manager, config
-        self.scheduler = Scheduler(block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, eos_token_ids)
+        self.scheduler = Scheduler(block_manager, config, eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len, self.tokenizer = config.max_model_len, tokenizer
         self.speculator = speculator
@@ -4103,36 +3928,31 @@ def profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
 # ----------------------------------------------------------------------------------------------
 # Chapter 26. Speculative decoding: proposing k tokens, verifying them in one forward
 # ----------------------------------------------------------------------------------------------
-# A decode step is memory-bound: it reads every weight (and the KV cache) to make one token a
-# sequence, and the arithmetic units mostly wait. Scoring k + 1 positions reads the same bytes,
-# so it costs about one step. A cheap proposer guesses the next k tokens (an n-gram lookup in
-# the context, or a small draft model), the target scores them all in one forward, and a step
-# emits every guess the target accepts plus one token of its own: 1 to k + 1 tokens a step.
-#
-# What keeps the output exact (Leviathan et al. 2023, Chen et al. 2023): the target's
-# distribution p and the draft's q at a position; the draft token x ~ q is accepted with
-# probability min(1, p(x) / q(x)), and on a rejection the token comes from the residual
-# (p - q)+ / sum (p - q)+. Then P(y) = min(p(y), q(y)) + (1 - sum min(p, q)) (p(y) - q(y))+ /
-# sum (p - q)+ = min(p(y), q(y)) + (p(y) - q(y))+ = p(y), since sum (p - q)+ = 1 - sum min(p, q).
-# An n-gram proposer is a point mass q = 1 at x: accept with probability p(x), else draw from p
-# without x. Greedy rows accept a draft token iff it is the argmax, and so reproduce plain greedy
-# decoding token for token. Shapes: B rows, K draft positions, V the vocabulary.
+# A decode step is memory-bound: it reads every weight and the KV cache for one token a
+# sequence, and scoring k + 1 positions reads the same bytes. So a cheap proposer (an n-gram
+# lookup in the context, or a small draft model) guesses k tokens, the target scores them in one
+# forward, and the step emits the guesses it accepts plus one token of its own.
+# Why the output keeps the target's distribution p exactly (Leviathan et al. 2023, Chen et al.
+# 2023): x drawn from the draft's q is accepted with probability min(1, p(x) / q(x)), and a
+# rejection draws from the residual (p - q)+ / sum (p - q)+. As sum (p - q)+ = 1 - sum min(p, q),
+#   P(y) = min(p(y), q(y)) + (1 - sum min(p, q)) (p(y) - q(y))+ / sum (p - q)+
+#        = min(p(y), q(y)) + (p(y) - q(y))+ = p(y).
+# An n-gram proposal is a point mass q = 1 at x: accept with probability p(x), else draw from p
+# without x. Greedy rows accept x iff it is the argmax, so they reproduce greedy decoding.
+# Shapes: B rows, K draft positions, V the vocabulary.
 
 
 def ngram_propose(token_ids, k, max_n=4, min_n=1):
-    """Prompt lookup: for n from max_n down to min_n, the most recent earlier occurrence of the
-    last n tokens that k tokens followed, else the earliest one, and the up to k tokens that
-    followed it; [] when no n-gram recurs. (In a run of one repeated token, the most recent
-    occurrence ends just before the suffix and is followed by a single token; an earlier one
-    proposes k copies of it.) token_ids: a list of ints or a 1-D integer array (an engine that keeps
-    one array a sequence saves the conversion, which costs more than the search)."""
+    """Prompt lookup: the up to k tokens that followed an earlier occurrence of the last n tokens,
+    for the largest n in min_n..max_n that recurs; [] when none does. The occurrence is the most
+    recent one that k tokens follow, else the earliest (in a run of one repeated token, the most
+    recent is followed by a single token). token_ids: a list of ints or a 1-D integer array."""
     ids = np.asarray(token_ids, dtype=np.int64)
     last = len(ids) - 1
     if last < 1 or k < 1:
         return []
-    # Where the last token occurred before: the ends of the 1-gram matches. Each longer n keeps
-    # the ends whose n-th token back also matches: one pass over the sequence, then a few over
-    # a handful of candidates, not an n-gram compare at every position.
+    # The ends of the 1-gram matches; each longer n keeps those whose n-th token back matches
+    # too: one pass over the sequence, then a few over a handful of candidates.
     ends = np.flatnonzero(ids[:last] == ids[last])  # (C,) ascending
     match = None
     for n in range(1, max_n + 1):
@@ -4150,18 +3970,15 @@ def ngram_propose(token_ids, k, max_n=4, min_n=1):
 def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, greedy=None,
                      generators=None):
     """Accept a prefix of each row's draft and add one token, so that the tokens follow the
-    target's distribution exactly.
+    target's distribution exactly (the derivation above). No host sync.
 
-    target_probs (B, K+1, V): the target's sampling distribution at each position (position i:
-    the token after the first i draft tokens). draft_tokens (B, K) int64, past num_draft
-    anything; num_draft (B,) int64 in 0..K, on the device. draft_probs (B, K, V): the draft's
-    distributions; None: a deterministic proposer (n-gram), a point mass at each draft token.
-    greedy (B,) bool or None: rows that take the argmax. generators: {row: generator} for the
-    seeded rows, as in `draw`; a seeded row draws K uniforms, then V for its last token.
-
-    Returns tokens (B, K+1) int64: the accepted draft tokens, then the one drawn token, then -1;
-    and num_accepted (B,) int64: row b emits num_accepted[b] + 1 tokens. No host sync.
-    """
+    target_probs (B, K+1, V): the target's distribution at each position (i: after the first i
+    draft tokens). draft_tokens (B, K) int64, anything past num_draft (B,) int64 in 0..K, on the
+    device. draft_probs (B, K, V), or None for a point mass at each draft token (n-gram). greedy
+    (B,) bool or None: rows that take the argmax. generators: {row: generator} for seeded rows,
+    as in `draw` (a seeded row draws K uniforms, then V for its last token).
+    Returns tokens (B, K+1) int64 (the accepted drafts, the drawn token, then -1) and
+    num_accepted (B,) int64: row b emits num_accepted[b] + 1 tokens."""
     B, K1, V = target_probs.shape
     K, device = K1 - 1, target_probs.device
     rows, positions = torch.arange(B, device=device), torch.arange(K, device=device)
@@ -4186,9 +4003,8 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
             residual = p.scatter(-1, drafts[rows, at][:, None], 0.0)  # (B, V)
         else:
             residual = (p - draft_probs[rows, at]).clamp(min=0)  # (B, V)
-        # The race needs weights, not probabilities, so the residual stays unnormalized. An all
-        # zero one (p <= q everywhere, so p = q) is rejected with probability 0, but rounding can
-        # reach it, and a race over zeros would return token 0: p is the safe fallback.
+        # The race takes weights, so the residual stays unnormalized. Rounding can leave it all
+        # zero (p <= q everywhere means p = q), and a race over zeros returns token 0: use p.
         weights = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p)
     last = draw(weights, generators or {})  # (B,)
     if greedy is not None:
@@ -4199,16 +4015,13 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
     return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
 
 
-# The engine's side: which sequences propose, and when it stops paying. A verified step costs
-# more than a plain one: it waits for its tokens (no overlap with the next step) and runs k + 1
-# rows a sequence. So a sequence whose mean accepted drafts a step falls below min_accepted stops
-# proposing, and proposes once every SPEC_PROBE_STEPS steps to measure again; n-gram lookup with
-# k = 4 broke even at 1.2 accepted drafts a step at batch 1 and 1.4 at batch 32 (bench_speculative
-# on the H200): hence SPEC_MIN_ACCEPTED. A draft model adds its own k steps, each costing about
-# its share of the target's weights: make_speculator adds k times that share. And a step that
-# proposes holds back the whole batch, which cannot overlap its next step: speculation runs only
-# while the accepted drafts above min_accepted add up to SPEC_SYNC_COST tokens a sequence of the
-# batch (what the lost overlap cost at batch 32).
+# When speculation pays. A verified step costs more than a plain one: it waits for its tokens
+# (no overlap with the next step) and runs k + 1 rows a sequence. So a sequence whose mean
+# accepted drafts a step falls below min_accepted stops proposing, and probes again every
+# SPEC_PROBE_STEPS steps; n-gram lookup with k = 4 broke even near 1.2 (bench_speculative),
+# hence SPEC_MIN_ACCEPTED. A draft model's own k steps raise that bar (make_speculator). And a
+# proposing step holds back the whole batch: speculation runs only while the gains above
+# min_accepted add up to SPEC_SYNC_COST tokens a sequence of the batch.
 SPEC_MIN_ACCEPTED = 1.0
 SPEC_PROBE_STEPS = 32
 SPEC_SYNC_COST = 0.7
@@ -4216,19 +4029,15 @@ SPEC_SPLIT_CATCH_UP = 8  # a draft's catch-up of up to this many tokens runs as 
 
 
 class Proposer:
-    """What a proposer does: for each sequence it is given, set draft_tokens (at most its k)
-    and, when it draws them from a distribution, draft_probs (k, V), which rejection_sample
-    needs."""
+    """Sets each given sequence's draft_tokens (at most its k) and, for drafts drawn from a
+    distribution, draft_probs (k, V), which rejection_sample needs."""
 
     def propose(self, seqs, ks):
         raise NotImplementedError
 
 
 class NgramProposer(Proposer):
-
-    """Prompt lookup (ngram_propose): the tokens that followed an earlier occurrence of the
-    sequence's last n tokens. No model and no cache: it costs a search a sequence, and proposes nothing
-    where the text has not repeated itself."""
+    """Prompt lookup (ngram_propose): no model and no cache."""
 
     def __init__(self, max_n=4):
         self.max_n = max_n
@@ -4239,12 +4048,10 @@ class NgramProposer(Proposer):
 
 
 class DraftProposer(Proposer):
-    """A smaller model over the same vocabulary proposes k tokens a sequence, one decode step at a
-    time, each drawn from its own distribution q (the argmax for a greedy request), which the
-    rejection sampler needs. It runs on a ModelRunner of its own, whose cache is indexed by the
-    target's block tables: a block holds the target's keys and values in the target's pool and
-    the draft's in the draft's. Each proposal first catches the draft up on the tokens it has not
-    seen (a whole prompt at first, then the verified tokens) in one packed step."""
+    """A smaller model over the same vocabulary proposes k tokens, one decode step at a time,
+    each drawn from its distribution q (the argmax for a greedy request). Its ModelRunner shares
+    the target's block tables (a block id names slots in each model's pool), and each proposal
+    first catches it up on the tokens it has not seen, in one packed step."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -4288,16 +4095,14 @@ class DraftProposer(Proposer):
 
 
 class Speculator:
-    """Speculative decoding inside the engine: after a plain step, the drafts it verified update
-    each sequence's acceptance, and the sequences that speculate propose drafts for the next
-    step, which the ModelRunner verifies beside everything else (ModelRunner._verify)."""
+    """After each step: the drafts verified update each sequence's acceptance, and the sequences
+    that speculate propose for the next step, which ModelRunner._verify checks with the rest."""
 
     def __init__(self, proposer, num_tokens, min_accepted):
         self.proposer, self.num_tokens, self.min_accepted = proposer, num_tokens, min_accepted
 
     def after_step(self, handle, engine, step):
-        """The step's one place for speculation: handle is the step just read (None if it ran
-        nothing), step the engine's step count."""
+        """handle: the step just read (None if it ran nothing); step: the engine's step count."""
         if handle is not None:
             tokens, _ = handle.wait()
             for seq, new, k in zip(handle.seqs, tokens, handle.num_drafts):
@@ -4312,12 +4117,9 @@ class Speculator:
         return any(seq.draft_tokens for seq in running) or bool(self.speculating(running, step))
 
     def speculating(self, running, step):
-        """The sequences that propose drafts after this step. Not those under structured output,
-        penalties or logprobs (the verification samples without them), nor those whose mean
-        accepted drafts a step is below min_accepted, where verifying costs more than it saves;
-        all of them probe together every SPEC_PROBE_STEPS steps, to measure anew. And none
-        unless their gains together pay for the wait that speculation puts on the whole batch
-        (SPEC_SYNC_COST). min_accepted = 0: every sequence that can speculates, always."""
+        """Who proposes after this step: not sequences under structured output, penalties or
+        logprobs (verification samples without them), nor, outside probe steps, those below
+        min_accepted; none unless the gains pay SPEC_SYNC_COST; with min_accepted = 0, all."""
         probe = step % SPEC_PROBE_STEPS == 0
         seqs = [seq for seq in running if seq.grammar is None and not seq.params.has_penalties
                 and seq.params.logprobs is None
@@ -4327,8 +4129,7 @@ class Speculator:
         return seqs if always or gain >= SPEC_SYNC_COST * len(running) else []
 
     def draft_next_step(self, running, block_manager, step):
-        """Draft tokens for the next step of every decoding sequence that speculates, with the
-        blocks they need."""
+        """Drafts, and the blocks they need, for the next step of each sequence that speculates."""
         seqs, ks = [], []
         for seq in self.speculating(running, step):
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
@@ -4345,10 +4146,9 @@ class Speculator:
 
 
 def make_speculator(spec, model, num_blocks, block_size, max_model_len, enforce_eager):
-    """The Speculator of EngineConfig.speculative, checked there: {"method": "ngram" | "draft",
-    "num_tokens": k (default 4), "model": the draft (a Qwen3; LLM loads a directory or a Hub
-    id), "max_n" (ngram; default 4), "min_accepted" (default SPEC_MIN_ACCEPTED, plus k times
-    the draft model's size over the target's)}."""
+    """The Speculator of EngineConfig.speculative (checked there): {"method": "ngram" | "draft",
+    "num_tokens": k (4), "model": a Qwen3 (LLM loads a directory or a Hub id), "max_n" (ngram;
+    4), "min_accepted" (SPEC_MIN_ACCEPTED, plus k times the draft's size over the target's)}."""
     k, min_accepted = spec.get("num_tokens", 4), spec.get("min_accepted", SPEC_MIN_ACCEPTED)
     if spec["method"] == "ngram":
         return Speculator(NgramProposer(spec.get("max_n", 4)), k, min_accepted)
@@ -4359,7 +4159,7 @@ def make_speculator(spec, model, num_blocks, block_size, max_model_len, enforce_
         raise ValueError(f"speculative: the draft model must share the target's vocabulary "
                          f"({model.cfg.vocab_size}) and device ({_device_of(model)}), not "
                          f"{draft.cfg.vocab_size} on {_device_of(draft)}")
-    if "min_accepted" not in spec:  # a draft as large as the target: 5.6 at batch 1, 6.4 at 32
+    if "min_accepted" not in spec:  # each draft step costs about its share of a target step
         share = sum(p.numel() for p in draft.parameters()) / sum(
             p.numel() for p in model.parameters())
         min_accepted += k * share
@@ -4370,9 +4170,8 @@ def make_speculator(spec, model, num_blocks, block_size, max_model_len, enforce_
 # ----------------------------------------------------------------------------------------------
 # Chapter 34. Structured output: a regex, a choice or a JSON schema as a mask over the vocabulary
 # ----------------------------------------------------------------------------------------------
-#
-# A constraint is compiled once into a deterministic automaton over BYTES; then at every decode
-# step the sampler forbids each token whose bytes would walk that automaton off its live states:
+# A constraint is compiled once into a deterministic automaton over BYTES; at every decode step
+# the sampler forbids each token whose bytes would walk that automaton off its live states:
 #
 #   regex / choice / json_schema ──parse──▶ tree of character sets (Chars, Concat, Alt, Repeat)
 #       ──Thompson──▶ NFA over bytes (each character set spelled out as its UTF-8 byte ranges)
@@ -4380,16 +4179,13 @@ def make_speculator(spec, model, num_blocks, block_size, max_model_len, enforce_
 #       ──TokenMasker──▶ per state, the bool mask of allowed tokens (a trie walk, then cached)
 #
 # Why bytes: a byte-level BPE token may end inside a character ("é" is two bytes and a token
-# may hold only the first), so the automaton must be able to stop between the bytes of one
-# character. Why a DFA: a request's grammar state is then one int, advancing it is a table
-# lookup, and a mask can be cached per state.
-#
-# In the engine: SamplingParams compiles its constraint on construction (compile_grammar,
-# cached), so a bad one fails at once; LLM's GrammarCache hands each request the TokenMasker of
-# its constraint; a Sequence advances its state with each token; the ModelRunner collects the
-# step's masks and the Sampler applies them before anything else (apply_token_masks, no host
-# sync); the Scheduler stops a request once its automaton is finished (accepting, and no byte
-# may follow).
+# may hold only the first), so the automaton must be able to stop between a character's bytes.
+# Why a DFA: a request's grammar state is then one int, advancing it is a table lookup, and a
+# mask can be cached per state.
+# In the engine: SamplingParams compiles its constraint (compile_grammar, cached), so a bad one
+# fails at once; GrammarCache hands each request its TokenMasker; a Sequence advances its state
+# with each token; the Sampler applies the masks first (apply_token_masks); the Scheduler stops
+# a request whose automaton is finished (accepting, and no byte may follow).
 
 DEAD = -1  # the automaton's "no match possible any more" state
 MAX_CODE_POINT = 0x10FFFF
@@ -4401,8 +4197,8 @@ class GrammarError(ValueError):
     """A regex, choice or JSON schema this stage cannot compile; the message says what."""
 
 
-# The tree every constraint is parsed into: a character is a set of code points, and everything
-# else is concatenation, alternation, repetition, and Separated for a JSON object's body.
+# The tree every constraint is parsed into: a character is a set of code points; the rest is
+# concatenation, alternation, repetition, and Separated for a JSON object's body.
 
 @dataclass(frozen=True)
 class Chars:
@@ -4428,10 +4224,9 @@ class Repeat:
 
 @dataclass(frozen=True)
 class Separated:
-    """Items in order, each (node, required), with `sep` between the items present: a JSON
-    object whose optional properties may be left out. Spelled with Concat and Alt, every
-    property would be repeated once per choice of the first one present; as a node of its own
-    the NFA holds each property once."""
+    """Items in order, each (node, required), with `sep` between those present: a JSON object
+    whose optional properties may be left out. With Concat and Alt, each property would repeat
+    once per choice of the first one present; as a node of its own, the NFA holds it once."""
     items: tuple
     sep: object
 
@@ -4448,8 +4243,7 @@ def char_set(ranges, negate=False):
     if negate:  # the gaps: before the first range, between two, after the last
         bounds = [-1, *(x for pair in merged for x in pair), MAX_CODE_POINT + 1]
         merged = [(hi + 1, lo - 1) for hi, lo in zip(bounds[::2], bounds[1::2])]
-    # each range minus the surrogate block: the part below it and the part above it (empty
-    # pieces, lo > hi, are dropped)
+    # each range minus the surrogates: the pieces below and above them (empty ones dropped)
     pieces = [p for lo, hi in merged for p in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi))]
     return Chars(tuple((lo, hi) for lo, hi in pieces if lo <= hi))
 
@@ -4473,12 +4267,9 @@ def optional(node):
 
 
 # ----------------------------------------------------------------------------------------------
-# Regex → tree. The subset, matched in full (as re.fullmatch): characters; '.' (any but a
-# newline); \d \w \s and \D \W \S with ASCII meanings (as Python's re.ASCII: [0-9], [0-9A-Za-z_],
-# [\t\n\v\f\r ]); \n \t \r \xhh \uhhhh and a backslash before punctuation; classes [...] of
-# those, with ranges and ^ negation; groups (...) and (?:...); alternation |; quantifiers
-# ? * + {m} {m,} {m,n}. Anything else (anchors, lookaround, backreferences, flags, lazy
-# quantifiers, a bare '{', other escapes) is an error that quotes it and lists the subset.
+# Regex → tree: REGEX_SUBSET, matched in full (as re.fullmatch); '.' is any but a newline, and
+# \d \w \s mean what they mean under re.ASCII. Anything else (anchors, lookaround, backreferences,
+# flags, lazy quantifiers, a bare '{', other escapes) is an error that quotes it.
 # ----------------------------------------------------------------------------------------------
 
 REGEX_SUBSET = (r"characters, ., \d \w \s \D \W \S \n \t \r \xhh \uhhhh, escaped punctuation, "
@@ -4494,7 +4285,6 @@ ANY_BUT_NEWLINE = char_set([(0x0A, 0x0A)], negate=True)
 
 class RegexParser:
     """Recursive descent over the subset above, one method per rule:
-
         alternation   := concatenation ('|' concatenation)*
         concatenation := repetition*
         repetition    := atom [quantifier]
@@ -4626,15 +4416,11 @@ class RegexParser:
 
 
 # ----------------------------------------------------------------------------------------------
-# JSON schema → tree. The subset: "type" object (with "properties", and "required" naming some
-# of them), array (with "items"), string, integer, number, boolean or null; "enum" and "const"
-# (alone or with a matching "type"); nested at any depth. Annotations (title, description, ...)
-# are ignored, and so is additionalProperties: properties beyond "properties" are never
-# written. Any other keyword is an error naming it.
-#
-# The output is compact JSON: no whitespace, properties in their declared order (optional ones
-# may be left out). Strings hold any character but '"', '\' and controls below U+0020, which
-# must be escaped; a \u escape names no surrogate. Integers have no fraction or exponent.
+# JSON schema → tree. The subset (JSON_SUBSET): "type" object, array, string, integer, number,
+# boolean or null, nested at any depth; "enum" and "const", alone or with a matching "type".
+# Annotations and additionalProperties are ignored (no property beyond "properties" is
+# written); any other keyword is an error naming it. The output is compact JSON: no whitespace,
+# properties in declared order, strings escaping '"', '\' and controls, no surrogate \u escapes.
 # ----------------------------------------------------------------------------------------------
 
 JSON_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
@@ -4924,8 +4710,7 @@ def trim(trans, accepting):
                 stack.append(s)
     if not live[0]:
         raise GrammarError("the constraint matches no text at all")
-    # old state → new state, DEAD for a removed one; one more DEAD at the end, where trans's
-    # DEAD (-1) indexes
+    # old state → new state, DEAD for a removed one; a last DEAD for trans's DEAD (-1) to index
     new_id = np.append(np.where(live, np.cumsum(live) - 1, DEAD), DEAD).astype(np.int32)
     return ByteDFA(new_id[trans][live], accepting[live])
 
@@ -4956,8 +4741,7 @@ def constraint_key(regex=None, choice=None, json_schema=None):
 def compile_grammar(regex=None, choice=None, json_schema=None):
     """The ByteDFA of exactly one of: a regex (full match), a choice (a list of strings, one of
     which is the whole output) or a JSON schema (a dict or its JSON text); None if none given.
-    Compiled once per distinct constraint (cached), so validating SamplingParams costs nothing
-    when the engine compiles the same constraint again."""
+    Cached: the engine's compile of a constraint that SamplingParams validated is free."""
     key = constraint_key(regex, choice, json_schema)
     return None if key is None else _compile(*key)
 
@@ -4976,12 +4760,9 @@ def _compile(kind, text):
 # ----------------------------------------------------------------------------------------------
 # Token masks: which tokens each automaton state allows, by walking a trie of the vocabulary
 # ----------------------------------------------------------------------------------------------
-#
-# Walking the 151,936 tokens one by one through the DFA in Python costs 50-120 ms per state
-# (measured on the bench's vocabulary). A trie shares the work of common prefixes, and walking
-# it level by level with numpy turns a level into a few array operations over its live nodes;
-# a subtree whose prefix dies is never visited: after `{"na` only the tokens that go on with
-# `me"` (and its prefixes) survive. The bench prints what a state costs this way.
+# Walking the 151,936 tokens one by one through the DFA in Python costs 50-120 ms a state. A
+# trie shares the work of common prefixes, and a level-by-level walk with numpy makes a level a
+# few array operations over its live nodes; a subtree whose prefix dies is never visited.
 
 class TokenTrie:
     """The vocabulary's byte strings as a trie, stored level by level. Level d holds the distinct
@@ -4990,7 +4771,7 @@ class TokenTrie:
         first_child[d][n], n_children[d][n]  its children, in level d+1
         token[d][n]                          the token whose bytes end here, or V if none does
     An id that spells the same bytes as an earlier one (alias_ids) takes its verdict (alias_of).
-    Built once per vocabulary (a second or two for 151,936 tokens), shared by every grammar."""
+    Built once per vocabulary, shared by every grammar."""
 
     def __init__(self, vocab):
         self.vocab, self.V = vocab, len(vocab)
@@ -4998,8 +4779,7 @@ class TokenTrie:
         for i, data in enumerate(vocab):
             if data and first.setdefault(bytes(data), i) != i:
                 aliases.append((i, first[bytes(data)]))
-        # Every byte must be a token of its own (as in every byte-level BPE): then every live
-        # state allows some token, and a mask is never empty.
+        # every byte a token of its own (as in byte-level BPE): no live state's mask is empty
         missing = sorted(set(range(256)) - {t[0] for t in first if len(t) == 1})
         if missing:
             raise GrammarError(f"the vocabulary lacks single-byte tokens for bytes {missing[:8]}"
@@ -5045,8 +4825,7 @@ class TokenTrie:
 
 class TokenMasker:
     """One constraint over one vocabulary: a request's grammar state is one int, from `start`.
-    A state's mask is computed the first time it is met and cached on `device` as a (V,) bool
-    tensor, so a state seen before costs a dict lookup."""
+    A state's (V,) bool mask is computed when first met, then cached on `device`."""
 
     start = 0
 
@@ -5064,8 +4843,7 @@ class TokenMasker:
             allowed = self.trie.allowed(self.dfa.trans, state)[:-1]
             allowed[self.eos_ids] = self.dfa.accepting[state]
             mask, on_gpu = torch.from_numpy(allowed), torch.device(self.device).type == "cuda"
-            # pinned and non_blocking: the copy queues behind the forward pass running on the
-            # GPU instead of making the host wait for it
+            # pinned and non_blocking: the copy queues behind the running forward; no host wait
             self.masks[state] = (mask.pin_memory() if on_gpu else mask).to(self.device,
                                                                             non_blocking=on_gpu)
         return self.masks[state]
@@ -5090,8 +4868,7 @@ class TokenMasker:
 
 def apply_token_masks(logits, masks):
     """Forbid, in place, what each row's grammar forbids. logits (B, V); masks: B entries, each
-    a TokenMasker mask on logits' device or None for an unconstrained row. One stack and one
-    masked_fill: nothing is read back, so a GPU step stays asynchronous."""
+    a TokenMasker mask on logits' device or None (unconstrained). Reads nothing back."""
     if all(m is None for m in masks):
         return logits
     everything = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -5100,9 +4877,8 @@ def apply_token_masks(logits, masks):
 
 
 class GrammarCache:
-    """The engine's: the vocabulary's trie, built once, and the TokenMaskers of the `capacity`
-    most recent constraints, so that requests with the same constraint share their masks. A
-    request holds on to its TokenMasker, so an eviction never disturbs one."""
+    """The vocabulary's trie, built once, and the TokenMaskers of the `capacity` most recent
+    constraints, shared by their requests (each keeps its own, so an eviction disturbs none)."""
 
     def __init__(self, vocab, eos_ids, device="cpu", capacity=32):
         self.trie, self.eos_ids, self.device = TokenTrie(vocab), eos_ids, device
@@ -5122,9 +4898,8 @@ class GrammarCache:
 
 
 def grammar_vocab(tokenizer, vocab_size):
-    """Each of the model's vocab_size ids as the bytes it writes, for structured output's masks,
-    or None where it writes none: special tokens (decode skips them, so their bytes would never
-    reach the text) and the ids past the tokenizer's (Qwen3's 151,936 rows hold 151,669 tokens).
+    """Each of the model's vocab_size ids as the bytes it writes, or None where it writes none:
+    special tokens (decode skips them) and ids past the tokenizer's (Qwen3 pads its embedding rows).
     Whatever an eos id's bytes, the masks allow it exactly where the text is complete."""
     table = tokenizer.token_bytes[:vocab_size]
     vocab = [None if i in tokenizer.special_ids or not data else data
@@ -5135,11 +4910,9 @@ def grammar_vocab(tokenizer, vocab_size):
 # ----------------------------------------------------------------------------------------------
 # Chapter 44. The benches (python 07_engine.py --bench)
 # ----------------------------------------------------------------------------------------------
-# Each bench prints a table, a row as soon as its figures are in (a run cut short still
-# reports), each row against the baseline measured in the same run: the copy bandwidth for the
-# attention kernels, transformers for the engine. They run on random weights in the shapes of
-# Qwen3-0.6B and Qwen3-8B (no download): speed depends on the shapes only. The harness: _ms and
-# _timed time, Table prints, gpu_only skips a bench without a GPU.
+# Each bench prints a table, a row as soon as its figures are in, against a baseline measured in
+# the same run: the copy bandwidth for the attention kernels, transformers for the engine. Weights
+# are random in Qwen3-0.6B's and Qwen3-8B's shapes (no download): speed depends on shapes only.
 
 _BENCH_BYTES = 256 * 2**20  # bytes per input tensor of the bandwidth benchmarks: far past the 50 MB L2
 
@@ -5175,16 +4948,15 @@ def _sync():
 
 
 def gpu_only(name, device):
-    """Whether a GPU bench can run; says why not, once, when it cannot."""
+    """Whether a GPU bench can run; says why not when it cannot."""
     if device.type != "cuda":
         print(f"{name} bench: needs a CUDA GPU (a CPU shows correctness, not speed); skipped")
     return device.type == "cuda"
 
 
 class Table:
-    """A bench's table: a title, then a row at a time, each printed as it comes. columns:
-    (heading, width, format) each, e.g. ("tok/s", 8, ",.0f"); a value that is a string is
-    printed as it is."""
+    """A bench's table, a row printed as it comes. columns: (heading, width, format) each, e.g.
+    ("tok/s", 8, ",.0f"); a value that is a string is printed as it is."""
 
     def __init__(self, title, columns):
         self.columns = columns
@@ -5220,8 +4992,8 @@ def random_model(cfg, device, dtype, seed=0):
 
 
 def hf_qwen3(cfg, device):
-    """transformers' Qwen3ForCausalLM with random bf16 weights of cfg's shape: the baseline of
-    the engine benches (the stage itself never imports transformers); None without it."""
+    """transformers' Qwen3ForCausalLM with random bf16 weights of cfg's shape, the engine benches'
+    baseline (the stage itself never imports transformers); None without transformers."""
     try:
         import transformers
     except ImportError:
@@ -5240,8 +5012,8 @@ def hf_qwen3(cfg, device):
 
 def _paged_copy(k, v, lengths, block_size, gen):
     """Contiguous caches k, v (B, Hkv, S, D) copied into pools (num_blocks, block_size, Hkv, D)
-    of just the pages the rows' lengths need, handed out in a random order: -> k_cache,
-    v_cache, block_tables (B, cdiv(S, block_size)) int32 (entries past a row's pages 0)."""
+    of just the pages the rows' lengths need, in a random order -> k_cache, v_cache,
+    block_tables (B, cdiv(S, block_size)) int32 (0 past a row's pages)."""
     B, Hkv, S, D = k.shape
     max_blocks = triton.cdiv(S, block_size)
     pages_of = (lengths.long() + block_size - 1) // block_size  # (B,)
@@ -5260,12 +5032,10 @@ def _paged_copy(k, v, lengths, block_size, gen):
 
 
 def bench_attention(device, head_dim=128, block_size=16):
-    """Decode attention over a bf16 cache, one query a row: decode_attention on the contiguous
-    cache and paged_decode_attention on the same keys in pages of block_size in a random order,
-    each as a fraction of the copy bandwidth (the bytes of K and V read) and against torch's
-    SDPA; after checking the three agree. Cases: batch 64 of 4,096 keys with Qwen3-8B's heads
-    (32/8) and 0.6B's (16/8), batch 1 of 4,096 (where the keys are split), and batch 256 of
-    lengths uniform in 100..2,048. Returns {case: figures}, or None without a GPU."""
+    """Decode attention over a bf16 cache, one query a row: decode_attention (contiguous) and
+    paged_decode_attention (the same keys paged in a random order) as a fraction of the copy
+    bandwidth and against torch's SDPA, once the three agree. Returns {case: figures}, or None
+    without a GPU."""
     if not gpu_only("attention", device):
         return None
     D, gen = head_dim, torch.Generator(device).manual_seed(0)
@@ -5328,11 +5098,9 @@ BENCH_SCHEMA = {
 
 
 def synthetic_vocab(base_tokens, size=QWEN3_VOCAB_SIZE, n_regular=QWEN3_REGULAR_TOKENS, seed=0):
-    """A stand-in for Qwen3's vocabulary with no download: the 256 single bytes, `base_tokens`
-    (e.g. GPT-2's 50,256, read with read_ranks), then concatenations of two tokens drawn with
-    Zipf weights (how BPE merges grow a vocabulary), up to `n_regular` distinct tokens; the ids
-    above have no bytes (the special tokens and the unused rows of the embedding). The tokens
-    split UTF-8 characters wherever the base vocabulary does."""
+    """A stand-in for Qwen3's vocabulary, no download needed: the 256 bytes, `base_tokens` (e.g.
+    GPT-2's), then pairs of tokens joined, drawn with Zipf weights as BPE merges grow a vocabulary,
+    up to `n_regular` tokens; the ids above have no bytes (special tokens, unused rows)."""
     rng = random.Random(seed)
     vocab = dict.fromkeys([bytes([b]) for b in range(256)] + list(base_tokens))  # an ordered set
     parts, weights = list(vocab), list(np.cumsum(1.0 / np.arange(1, len(vocab) + 1)))
@@ -5343,10 +5111,9 @@ def synthetic_vocab(base_tokens, size=QWEN3_VOCAB_SIZE, n_regular=QWEN3_REGULAR_
 
 def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
                      n_regular=QWEN3_REGULAR_TOKENS, n_lookups=20_000, seed=0):
-    """What structured output costs on a Qwen3-sized vocabulary (on the CPU, where it runs):
-    compiling `schema`, a state's mask the first time (median and max over every state of its
-    automaton), a state's mask once seen (median and p99 over random lookups). Returns the
-    three medians, in seconds."""
+    """What structured output costs on a Qwen3-sized vocabulary, on the CPU where it runs:
+    compiling `schema`, a state's mask the first time (every state of its automaton), and a
+    state's mask once seen (random lookups). Returns the three medians, in seconds."""
     def timed(fn, *args):  # (seconds, result)
         start = time.perf_counter()
         result = fn(*args)
@@ -5361,7 +5128,7 @@ def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
     first = [timed(masker.mask, state)[0] for state in range(dfa.num_states)]
     rng, hits = random.Random(seed), []
     for state in (rng.randrange(dfa.num_states) for _ in range(n_lookups)):
-        start = time.perf_counter_ns()  # in ns, and the call alone: it takes well under 1 µs
+        start = time.perf_counter_ns()  # integer ns around the call alone: a hit is a lookup
         masker.mask(state)
         hits.append((time.perf_counter_ns() - start) / 1e9)
     hits.sort()
@@ -5378,15 +5145,12 @@ def bench_structured(base_tokens, schema=BENCH_SCHEMA, size=QWEN3_VOCAB_SIZE,
 
 
 # -- decode: tokens/s and bandwidth, against transformers' generate -----------------------------
-# A decode step reads every weight once (the embedding only for the rows it looks up, unless it
-# is also the output layer) and each row's cache: those bytes over the step's time, against the
-# copy bandwidth, are the fraction of the hardware's limit. transformers' generate runs the same
-# shapes in the same process, with its default (dynamic) cache and with its static cache, for
-# which it compiles the forward pass with torch.compile.
+# A step's bytes (bytes_per_step) over its time, against the copy bandwidth, are the fraction of
+# the hardware's limit reached. transformers runs the same shapes in the same process.
 
 def bytes_per_step(model, batch, context):
-    """Bytes a decode step reads at least: the weights (of the embedding, only the rows looked up
-    unless it is the output layer too) and `context` cached positions of every row."""
+    """Bytes a decode step reads at least: the weights (the embedding only when it is the output
+    layer too: a lookup reads just its rows) and `context` cached positions of every row."""
     cfg = model.cfg
     weights = sum(p.nbytes for p in model.parameters())
     if not cfg.tie_word_embeddings:
@@ -5406,8 +5170,7 @@ def gpu_ops(fn):
 
 
 def kernels_per_step(model, batch):
-    """GPU ops of one decode step on the model's path (its kernels, unfused) and on forward_packed
-    (the fused kernels, paged attention)."""
+    """GPU ops of a decode step: on the model's path (unfused) and on forward_packed (fused)."""
     device = _device_of(model)
     cache = KVCache(model.cfg, batch, 64, device, model.model.embed_tokens.weight.dtype)
     ids = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -5421,10 +5184,9 @@ def kernels_per_step(model, batch):
 
 
 def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
-    """LLM.generate of batch prompts of random ids, new_tokens each, greedy: tokens/s end to end
-    (prefill included); the time of one decode step (s): that of new_tokens steps less that of
-    one (the prefill and the first token), over new_tokens - 1; and the GPU's share of the
-    step: its graph replayed back to back (ms)."""
+    """LLM.generate of `batch` random prompts, new_tokens each, greedy: (tokens/s end to end,
+    seconds of a decode step: the time of new_tokens tokens less that of 1, over new_tokens - 1,
+    ms of the step's graph replayed back to back: the GPU's share)."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens = {new_tokens}: a decode step's time needs at least 2")
     length = prompt_len + new_tokens
@@ -5437,7 +5199,7 @@ def engine_rate(model, batch, prompt_len, new_tokens, async_scheduling=True):
         return _timed(lambda: llm.generate(prompts, params))
 
     total, first = seconds(new_tokens), seconds(1)
-    graph = llm.engine.runner.graphs.graphs[graph_bucket(batch)][0]  # its last step's inputs
+    graph = llm.engine.runner.graphs.graphs[graph_bucket(batch)].graph  # its last step's inputs
     return batch * new_tokens / total, (total - first) / (new_tokens - 1), _ms(graph.replay)
 
 
@@ -5455,13 +5217,11 @@ def transformers_rate(cfg, device, batch, prompt_len, new_tokens, cache_implemen
 
 
 def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_tokens=128):
-    """For each shape of BENCH_MODELS and batch size: generation tokens/s end to end (prefill
-    included) against transformers' generate in the same run; the time of a decode step (prefill
-    excluded) and the bandwidth it implies; and the GPU's share of the step (its graph replayed
-    back to back): the difference is host time, which async scheduling overlaps with the GPU's
-    work ("plain": async_scheduling off). Returns {(model, batch): {"plain": engine, "async":
-    engine, "transformers": tok/s, "transformers_static": tok/s}}, engine = {"tok_s", "of_copy",
-    "step_us", "gpu_us"}, or None without a GPU."""
+    """For each shape of BENCH_MODELS and batch size: tokens/s end to end against transformers'
+    generate; a decode step's time and the bandwidth it implies; the GPU's share of the step
+    (its graph replayed): the rest is host time, which async scheduling overlaps with the GPU's
+    ("plain": off). Returns {(model, batch): {"plain"|"async": {"tok_s", "of_copy", "step_us",
+    "gpu_us"}, "transformers"|"transformers_static": tok/s}}, or None without a GPU."""
     if not gpu_only("decode", device):
         return None
     copy_gbs = _bench_copy_gbs()
@@ -5469,10 +5229,11 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
     for name, cfg in BENCH_MODELS.items():
         model = random_model(cfg, device, torch.bfloat16)
         plain, fast = kernels_per_step(model, 1)
-        table = Table(f"decode, {name} shape, bf16, random weights ({model.num_params() / 1e9:.2f}B "
-                      f"parameters; {plain} GPU ops a decode step on the model's path, {fast} on "
-                      f"forward_packed): tok/s end to end, prefill included; step: one decode "
-                      f"step and the GB/s it reads; GPU: its graph replayed alone",
+        table = Table(f"decode, {name} shape, bf16, random weights "
+                      f"({model.num_params() / 1e9:.2f}B parameters; {plain} GPU ops a decode "
+                      f"step on the model's path, {fast} on forward_packed): tok/s end to end, "
+                      f"prefill included; step: one decode step and the GB/s it reads; GPU: its "
+                      f"graph replayed alone",
                       [("batch", 5, "d"), ("engine", 6, ""), ("tok/s", 8, ",.0f"),
                        ("GB/s", 6, ",.0f"), ("of copy", 7, ".0%"), ("step µs", 8, ",.0f"),
                        ("GPU µs", 7, ",.0f"), ("HF tok/s", 9, ",.0f"), ("HF static", 9, ",.0f"),
@@ -5498,10 +5259,9 @@ def bench_engine(device, batches=(1, 16), prompt_len=16, new_tokens=256, hf_toke
 
 
 # -- offline throughput, prefix caching, the GPU's idle time --------------------------------------
-# nano-vllm's benchmark workload: 256 requests whose prompt and output lengths are uniform in
-# 100..1,024 tokens, sampled at temperature 0.6 without stopping at eos, on Qwen3-0.6B's shape.
-# Most of its time is decode steps of a couple of hundred sequences, which read, per step, the
-# weights once and every sequence's keys and values: the paged decode kernel decides it.
+# nano-vllm's benchmark workload on Qwen3-0.6B's shape: 256 requests, prompt and output lengths
+# uniform in 100..1,024, temperature 0.6, ignore_eos. It is mostly decode steps of a couple of
+# hundred sequences, each reading the weights and every sequence's cache: paged decode decides it.
 
 def throughput_workload(vocab_size, n=256, low=100, high=1024, seed=0, shared=0.0):
     """[(prompt ids, output length)]: prompt and output lengths uniform in low..high. shared: the
@@ -5517,8 +5277,7 @@ def throughput_workload(vocab_size, n=256, low=100, high=1024, seed=0, shared=0.
 
 
 def run_workload(llm, requests, temperature=0.6):
-    """Generate the requests (ignore_eos, each its own length); returns (seconds, output tokens,
-    prompt tokens)."""
+    """(seconds, output tokens, prompt tokens) of generating the requests, with ignore_eos."""
     params = [SamplingParams(temperature=temperature, max_tokens=out, ignore_eos=True)
               for _, out in requests]
     _sync()
@@ -5579,19 +5338,17 @@ def transformers_throughput(cfg, device, requests, temperature=0.6):
 
 def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8192,
                      baseline_requests=64, runs=2):
-    """Offline throughput on the workload above: output and total tokens/s of the engine (the
-    best of `runs`); the same workload with half of each prompt shared, prefix caching on and
-    off; the GPU's idle fraction over decode steps, async scheduling on and off; and against
-    transformers' continuous batching in the same run on the first baseline_requests requests
-    (all 256 would take it minutes; 0: not run). Returns the figures, or None without a GPU."""
+    """Offline throughput on the workload above: output and total tokens/s (the best of `runs`);
+    the same with half of each prompt shared, prefix caching on and off; the GPU's idle fraction
+    over decode steps, async scheduling on and off; transformers' continuous batching on the first
+    baseline_requests requests (all would take it minutes; 0: not run). None without a GPU."""
     if not gpu_only("throughput", device):
         return None
     cfg = BENCH_MODELS["Qwen3-0.6B"]
     model = random_model(cfg, device, torch.bfloat16)
     requests = throughput_workload(cfg.vocab_size, n, low, high)
     shared = throughput_workload(cfg.vocab_size, n, low, high, shared=0.5)
-    # the warm-up: prompts as long, shorter outputs, so that every graph bucket and every tile
-    # size the run needs is captured and autotuned before it
+    # the warm-up: prompts as long, outputs short, so that every graph and tile size is ready
     warm_up = [(p, 1 + i) for i, (p, _) in enumerate(throughput_workload(cfg.vocab_size, n, low,
                                                                          high, seed=1))]
     knobs = dict(max_model_len=2 * high, max_num_batched_tokens=max_num_batched_tokens)
@@ -5651,8 +5408,8 @@ def bench_throughput(device, n=256, low=100, high=1024, max_num_batched_tokens=8
 # -- speculative decoding against plain decoding ------------------------------------------------
 
 class RejectedProposer(Proposer):
-    """n-gram lookup's worst case, for the bench: k random tokens a step, which the target
-    rejects (one in the vocabulary's size accepted), and which cost nothing to propose."""
+    """n-gram lookup's worst case, for the bench: k random tokens a step, free to propose, which
+    the target rejects (it accepts one in the vocabulary's size)."""
 
     def __init__(self, vocab_size, seed=0):
         self.vocab_size, self.rng = vocab_size, random.Random(seed)
@@ -5663,9 +5420,8 @@ class RejectedProposer(Proposer):
 
 
 def speculative_rate(model, prompts, params, speculative=None, proposer=None):
-    """(output tokens/s, mean accepted drafts a verified sequence) of generating prompts with one
-    LLM, the best of two runs after a warm-up run of the same; proposer: one in place of
-    speculative's."""
+    """(output tokens/s, mean accepted drafts a verified sequence) of one LLM generating prompts,
+    the best of two runs after a warm-up run; proposer: one in place of speculative's."""
     llm = LLM(model, max_model_len=1024, max_num_seqs=len(prompts), num_kv_blocks=len(prompts) * 64,
               speculative=speculative)
     if proposer is not None:
@@ -5687,15 +5443,12 @@ def speculative_rate(model, prompts, params, speculative=None, proposer=None):
 
 
 def bench_speculative(device, batches=(1, 32), k=4, prompt_len=128, new_tokens=256):
-    """Speculative decoding on Qwen3-0.6B's shape (random bf16 weights), greedy and sampled,
-    against plain decoding in the same run, at each batch size: a draft model that is the
-    target itself (every draft accepted: the machinery's best case, and what the draft's own
-    steps cost), a random draft model (nothing accepted: the worst case), both always on; n-gram
-    lookup greedy (a random model's greedy text repeats itself, which lookup finds: its best
-    case), its worst case (RejectedProposer: every draft rejected) always on and switching itself
-    off, and n-gram sampled at temperature 1 (nothing repeats, nothing is proposed). The
-    break-even: the accepted drafts a step at which a verified step, as slow as the worst case's,
-    yields as many tokens a second as plain decoding. Returns the table, or None without a GPU."""
+    """Speculative decoding on Qwen3-0.6B's shape, greedy and sampled, against plain decoding:
+    a draft model that is the target (all accepted: the best case, less the draft's own steps),
+    a random draft (none accepted: the worst case), n-gram lookup greedy (a random model's greedy
+    text repeats itself: its best case), RejectedProposer (its worst) always on and self-switching,
+    n-gram sampled (nothing repeats). Prints the break-even accepted drafts a step. Returns
+    {(batch, case): (tok/s, accepted a step)}, or None without a GPU."""
     if not gpu_only("speculative decoding", device):
         return None
     cfg = BENCH_MODELS["Qwen3-0.6B"]
@@ -5734,13 +5487,13 @@ def bench_speculative(device, batches=(1, 32), k=4, prompt_len=128, new_tokens=2
 
 
 # ----------------------------------------------------------------------------------------------
-# Putting it together
+# The demos and main
 # ----------------------------------------------------------------------------------------------
 
 def random_checkpoint(folder, seed):
     """Qwen3Config.tiny() with random weights, written in the Hugging Face layout: main's model
     when no --model is given. Embeddings of std 0.25 give logits of a few units, so that sampling
-    has choices to make; the norms' weights are not all 1, so that skipping one would show."""
+    has choices to make; norm weights other than 1 make a skipped norm show."""
     torch.manual_seed(seed)
     model = Qwen3(Qwen3Config.tiny())
     with torch.no_grad():
@@ -5751,29 +5504,25 @@ def random_checkpoint(folder, seed):
     return save_qwen3(model, folder)
 
 
-# main's tokenizer: GPT-2's first 8,192 tokens (the 256 bytes and the first 7,936 merges: what
-# GPT-2's BPE training had learnt by then, a byte-level BPE in its own right, whose output layer
-# costs a sixth of the full 50,257's), then GPT-2's <|endoftext|> and Qwen3's chat tokens, special
-# or not as Qwen3 declares them. The chat template is a short form of Qwen3's: the turns and the
-# thinking switch (the stage writes the chat format by hand and reads a template only to know
-# that it is Qwen3's, load_tokenizer).
+# main's tokenizer: GPT-2's first 8,192 tokens (the 256 bytes and 7,936 merges, a byte-level BPE
+# in its own right, at a sixth of the full vocabulary's output layer), then <|endoftext|> and
+# Qwen3's chat tokens. The chat template is a short form of Qwen3's: the stage writes the chat
+# format itself and reads a template only to know that it is Qwen3's (load_tokenizer).
 DEMO_RANKS = 8192
 DEMO_ADDED_TOKENS = [(DEMO_RANKS + i, content, special) for i, (content, special) in enumerate(
     [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<think>", False),
      ("</think>", False)])]
 DEMO_CHAT_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is "
+    "false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
 
 
 def demo_tokenizer(folder, data_dir=None):
-    """Write a Hugging Face tokenizer into `folder` for main's random model: GPT-2's byte-level
-    BPE from data/gpt2.tiktoken (downloaded on first use, 0.8 MB; see DEMO_RANKS) with Qwen3's
-    chat tokens, a chat template, and <|im_end|> and <|endoftext|> as the eos ids. Qwen3's own
-    tokenizer would be an 11 MB download, and the stage imports no `tokenizers` to train one,
-    so the files are written from GPT-2's ranks (byte_level_bpe_json). Returns the folder."""
+    """Write main's random model's tokenizer into `folder` (see DEMO_RANKS): GPT-2's ranks from
+    data/gpt2.tiktoken (downloaded on first use; Qwen3's own would be a far larger download) as a
+    byte-level BPE, a chat template, and <|im_end|>, <|endoftext|> as eos ids. Returns folder."""
     folder = Path(folder)
     ranks = read_ranks(data_file("gpt2.tiktoken", data_dir))
     spec = byte_level_bpe_json({token: rank for token, rank in ranks.items() if rank < DEMO_RANKS},
@@ -5812,8 +5561,9 @@ def describe(llm, model):
           f"{next(llm.model.parameters()).dtype} on {_device_of(llm.model)}")
     if tok is not None:
         origin = "" if model else "GPT-2's first tokens and Qwen3's chat tokens, "
-        print(f"tokenizer: {origin}{len(tok.token_bytes):,} ids, eos ids {sorted(tok.eos_token_ids)}, "
-              f"chat template: {'yes' if tok.chat_template else 'no (a base model)'}")
+        print(f"tokenizer: {origin}{len(tok.token_bytes):,} ids, eos ids "
+              f"{sorted(tok.eos_token_ids)}, chat template: "
+              f"{'yes' if tok.chat_template else 'no (a base model)'}")
     blocks, size = llm.engine.block_manager.num_blocks, llm.config.block_size
     print(f"KV cache: {blocks:,} blocks of {size} tokens = {blocks * size:,} tokens, "
           f"{memory_size(llm.kv_cache_bytes)}")
@@ -5830,9 +5580,8 @@ def _device_of(model):
 
 
 def check_against_recompute(llm, prompts, max_tokens):
-    """The engine's greedy tokens and their logprobs (one prefill of the right-padded batch, then
-    decode steps over the KV cache) against one forward pass over each finished sequence, which
-    recomputes everything without a cache. Prints and returns the largest logprob difference."""
+    """The engine's greedy tokens and logprobs against one forward pass, without a cache, over
+    each finished sequence. Prints and returns the largest logprob difference."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params)
     worst, same = 0.0, True
@@ -5850,17 +5599,14 @@ def check_against_recompute(llm, prompts, max_tokens):
 
 
 def check_kernels(model, prompts, steps=2):
-    """The model on the Triton kernels (RMSNorm, SwiGLU, the flash prefill, decode attention),
-    and forward_packed on the fused kernels and the paged attention kernels, against the torch
-    twins: the logits of the prompts (the model's path: one right-padded batch; forward_packed:
-    packed side by side), then of `steps` decode steps over the KV cache, each row at its own
-    position. Prints and returns the two relative errors."""
+    """Logits on the Triton kernels against the torch twins: the model's path (a right-padded
+    batch, then `steps` decode steps over the KV cache) and forward_packed (fused and paged
+    kernels, the prompts packed side by side). Prints and returns the two relative errors."""
     device, dtype = _device_of(model), model.model.embed_tokens.weight.dtype
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     T = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # (B, T)
-    was_on = model.kernels
-    logits = []
+    was_on, logits = model.kernels, []
     with torch.inference_mode():
         for on, packed in ((False, False), (True, False), (False, True), (True, True)):
             model.use_kernels(on)
@@ -5874,8 +5620,7 @@ def check_kernels(model, prompts, steps=2):
                 out.append(model.logits(h[:, 0]))  # (B, V)
             logits.append(torch.cat(out).float())
     model.use_kernels(was_on)
-    errors = [((logits[1] - logits[0]).norm() / logits[0].norm()).item(),
-              ((logits[3] - logits[2]).norm() / logits[2].norm()).item()]
+    errors = [((logits[i + 1] - logits[i]).norm() / logits[i].norm()).item() for i in (0, 2)]
     where = "Triton's interpreter" if INTERPRET else torch.cuda.get_device_name(device)
     print(f"logits on the Triton kernels ({where}) vs the torch path: rel err {errors[0]:.1e} (a "
           f"prefill and {steps} decode steps); forward_packed on the fused and paged kernels vs "
@@ -5927,14 +5672,13 @@ def packed_stepper(model, batch, length, block_size=16):
 
 
 def show_generations(llm, prompts, args):
-    """Greedy generations of the prompts as one batch and one by one, then sampled ones, with the
-    first prompt's seeded sample also drawn alone."""
+    """Greedy generations, batched and one by one, then seeded samples, the first also alone."""
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     batched = llm.generate(prompts, greedy)
     same = all(llm.generate([p], greedy)[0].token_ids == out.token_ids
                for p, out in zip(prompts, batched))
-    print(f"\ngreedy, {len(prompts)} prompts in one batch ({'identical to' if same else 'DIFFERENT from'} "
-          f"one by one):")
+    print(f"\ngreedy, {len(prompts)} prompts in one batch "
+          f"({'identical to' if same else 'DIFFERENT from'} one by one):")
     _print_outputs(llm, prompts, batched)
     sampled = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed + i, max_tokens=args.max_tokens)
@@ -5943,7 +5687,8 @@ def show_generations(llm, prompts, args):
     alone = llm.generate(prompts[:1], sampled[0])[0]
     print(f"\nsampled (temperature {args.temperature}, top-k {args.top_k or 'off'}, top-p "
           f"{args.top_p}, min-p {args.min_p}, seeds {args.seed}..{args.seed + len(prompts) - 1}; "
-          f"the first drawn alone: {'identical' if alone.token_ids == outputs[0].token_ids else 'DIFFERENT'}):")
+          f"the first drawn alone: "
+          f"{'identical' if alone.token_ids == outputs[0].token_ids else 'DIFFERENT'}):")
     _print_outputs(llm, prompts, outputs)
     return same
 
@@ -5966,9 +5711,8 @@ STRUCTURED_MAX_TOKENS = 128
 
 
 def show_structured(llm, prompt, args):
-    """The first prompt under each constraint of DEMO_CONSTRAINTS, sampled; each text checked
-    with Python's re and json, which know nothing of the automaton that constrained it. Returns
-    whether every text is valid."""
+    """The first prompt under each of DEMO_CONSTRAINTS, sampled, each text checked by Python's re
+    and json, which know nothing of the automaton. Returns whether every text is valid."""
     params = [SamplingParams(temperature=args.temperature, seed=args.seed + i,
                              max_tokens=STRUCTURED_MAX_TOKENS, **{kind: spec})
               for i, (kind, spec) in enumerate(DEMO_CONSTRAINTS)]
@@ -5995,16 +5739,15 @@ def _valid(kind, spec, text):
         value = json.loads(text)
     except ValueError:
         return False
-    return isinstance(value, dict) and set(spec["required"]) <= set(value) <= set(spec["properties"])
+    return (isinstance(value, dict)
+            and set(spec["required"]) <= set(value) <= set(spec["properties"]))
 
 
 def show_continuous_batching(llm, seed, n=6):
-    """n requests of mixed lengths through a small engine over llm's model (4 sequences and 24
-    tokens a step, a pool of few blocks), driven one step at a time, printing each step's batch:
-    per request, its letter and the tokens it ran (a prefill chunk, or 1 for a decode), and the
-    preemptions so far. Their greedy outputs against each request alone; returns whether equal."""
-    rng = random.Random(seed)
-    vocab = llm.model.cfg.vocab_size
+    """n requests of mixed lengths through a small engine over llm's model, a step at a time,
+    printing each step's batch (a request's letter and tokens: a prefill chunk, or 1 for a decode)
+    and preemptions. Returns whether their greedy outputs equal each request's alone."""
+    rng, vocab = random.Random(seed), llm.model.cfg.vocab_size
     requests = [([rng.randrange(vocab) for _ in range(rng.randint(4, 40))], rng.randint(2, 12))
                 for _ in range(n)]
     small = LLM(llm.model, tokenizer=llm.tokenizer, max_model_len=64, block_size=4,
@@ -6118,12 +5861,11 @@ def parse_args(argv=None):
                         help="the first prompt of the generations (default: %(default)r)")
     parser.add_argument("--chat", action="store_true",
                         help="give each prompt as a user turn in Qwen3's chat format")
-    parser.add_argument("--bench", action="store_true",
-                        help="instead: what structured output costs on a Qwen3-sized vocabulary "
-                        "and, on a GPU, the attention kernels against copy bandwidth and SDPA, "
-                        "decode tokens/s of Qwen3-0.6B and 8B shapes against transformers, "
-                        "offline throughput against transformers' continuous batching, and "
-                        "speculative decoding")
+    parser.add_argument("--bench", action="store_true", help="instead: what structured output "
+                        "costs on a Qwen3-sized vocabulary and, on a GPU, the attention kernels "
+                        "against copy bandwidth and SDPA, decode tokens/s of Qwen3-0.6B and 8B "
+                        "shapes against transformers, offline throughput against transformers' "
+                        "continuous batching, and speculative decoding")
     parser.add_argument("--data-dir", help="download cache for Hub ids and GPT-2's tokenizer, "
                         "the random model's (default: data/)")
     args = parser.parse_args(argv)
@@ -6187,9 +5929,8 @@ def check_max_tokens(parser, max_tokens, context):
 
 
 def demo_llm(args):
-    """The LLM of --model, or of a tiny random Qwen3 written to a temporary directory with a
-    tokenizer made from GPT-2's (demo_tokenizer). The tiny model runs on one CPU thread: it gains
-    nothing from a second, and on a busy machine waits for it (10x slower on a 2-core one)."""
+    """The LLM of --model, or of a tiny random Qwen3 (with demo_tokenizer's tokenizer) in a
+    temporary directory, on one CPU thread: a second gains it nothing and can make it wait."""
     device = torch.device(args.device)
     if args.model is None and device.type == "cpu":
         torch.set_num_threads(1)
@@ -6272,11 +6013,9 @@ def _num_sms(device):
 
 
 if INTERPRET:
-    # Triton 3.6's interpreter hands scalar arguments to a kernel as 1-element arrays and turns loop
-    # bounds into ints with int(array), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed
-    # after 3.6). Convert through .item() instead; every other piece of the interpreter is untouched.
+    # Triton 3.6's interpreter makes loop bounds ints with int() of 1-element arrays, which NumPy
+    # >= 2.4 refuses (triton-lang/triton#9171, fixed after 3.6): convert through .item() instead.
     from triton.runtime import interpreter as _interpreter
-
     _patch_lang_tensor = _interpreter._patch_lang_tensor
 
     def _patch_lang_tensor_item(tensor, scope):

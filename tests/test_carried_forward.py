@@ -317,6 +317,11 @@ CHANGED = {
                           "test_07_engine.py::test_top_p_keeps_the_token_that_crosses"],
         # GPT-2's ranks only, for main's tokenizer
         "DATA_FILES": ["test_07_engine.py::test_demo_tokenizer_is_gpt2s"],
+        # engine v1: a static batch over the model's KV cache, sampled by the Sampler
+        "generate": ["test_07_engine.py::test_engine_v1_greedy_equals_transformers",
+                     "test_07_engine.py::test_engine_v1_samples_as_the_engine_does"],
+        # the decode and paged attention kernels, not 06's flash attention
+        "bench_attention": ["GPU only: run by --bench"],
     },
     "08_serve": {
         # the command line serves a model; without one, a demo that sends itself requests
