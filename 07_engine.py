@@ -1561,7 +1561,7 @@ def _check_splits(fn, max_len, most, most_name, num_splits):
 # ------------------------------------------------------------------------------------------------
 # 17.4 continued: paged attention (chapter 25)
 # ------------------------------------------------------------------------------------------------
-# NEW in stage 07. KVCache (chapter 18) reserves max_len slots a row up front: a short row holds
+# NEW in stage 07. KVCache (chapter 16) reserves max_len slots a row up front: a short row holds
 # memory no other can use, and rows cannot share a prompt's keys. A paged cache (vLLM's
 # PagedAttention, Kwon et al. 2023) cuts each layer's pools, k_cache and v_cache (num_blocks,
 # block_size, Hkv, D), into pages handed out as a sequence grows. A sequence's block table lists
@@ -1948,7 +1948,8 @@ class KVCache:
         self.v[layer][rows, :, positions] = v.transpose(1, 2)
 
     def read(self, layer, batch, kv_len):
-        """Views, no copy: the first kv_len positions of rows 0..batch-1, (batch, Hkv, kv_len, D)."""
+        """Views, no copy: the first kv_len positions of rows 0..batch-1,
+        (batch, Hkv, kv_len, D)."""
         return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
 
 
@@ -2335,7 +2336,8 @@ def fuse_projections(model):
         attn, mlp = block.self_attn, block.mlp
         if attn.qkv_weight is None or attn.q_proj.weight.data_ptr() != attn.qkv_weight.data_ptr():
             attn.qkv_weight = _concatenate(attn.q_proj, attn.k_proj, attn.v_proj)
-        if mlp.gate_up_weight is None or mlp.gate_proj.weight.data_ptr() != mlp.gate_up_weight.data_ptr():
+        gate_up = mlp.gate_up_weight
+        if gate_up is None or mlp.gate_proj.weight.data_ptr() != gate_up.data_ptr():
             mlp.gate_up_weight = _concatenate(mlp.gate_proj, mlp.up_proj)
     return model
 
@@ -3158,7 +3160,8 @@ class ModelRunner:
             if k is None:
                 out.append(None)
                 continue
-            out.append({tokens[row]: sampled[row], **dict(zip(top_ids[row][:k], top_values[row][:k]))})
+            top = dict(zip(top_ids[row][:k], top_values[row][:k]))
+            out.append({tokens[row]: sampled[row], **top})
         return out
 
 
@@ -3309,7 +3312,8 @@ class SamplingBatch:
          self.frequency_penalty, top_k) = table
         self.top_k = top_k.long()
         self.greedy = self.temperature < GREEDY_BELOW  # (B,) bool
-        self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None),
+                                default=None)
         if generators is None:
             generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed)
                           for p in params]
@@ -3783,7 +3787,8 @@ class LLM:
             if tokenizer is None and (folder / "tokenizer.json").is_file():
                 tokenizer = load_tokenizer(folder)
         else:
-            raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not {type(model).__name__}")
+            raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not "
+                            f"{type(model).__name__}")
         if tokenizer is not None:
             eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
         self.tokenizer = tokenizer
@@ -3791,7 +3796,8 @@ class LLM:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len = {config.max_model_len!r} must be an int from 2 to "
                              f"the model's max_position_embeddings, {limit}")
-        self.config = config = dataclasses.replace(config, max_model_len=config.max_model_len or limit)
+        config = dataclasses.replace(config, max_model_len=config.max_model_len or limit)
+        self.config = config
         self.max_model_len = config.max_model_len
         speculative = config.speculative
         draft = speculative.get("model") if speculative else None
