@@ -1,52 +1,31 @@
-"""Stage 08: an OpenAI-compatible server on the stage-07 engine: the text boundary (incremental
-detokenization and stop strings), an HTTP server any OpenAI client can use unchanged, and
-speculative decoding across concurrent requests (book chapters 35-37).
+"""Stage 08: an OpenAI-compatible server on the stage-07 engine (book chapters 35-37). The text
+boundary (incremental detokenization and stop strings); an HTTP server that any OpenAI client
+uses unchanged, in a process of its own beside the engine's; speculative decoding across
+concurrent requests.
 
-What this stage teaches
-    35. The text boundary: a `Detokenizer` per request turns its token stream into text
-        incrementally: a UTF-8 character split across tokens is held back until complete, and
-        the pieces put together equal the decode of all the tokens. Stop strings are matched
-        across token boundaries: text that could still become a stop string is held back until
-        decided, and the stop string itself is never sent.
-    36. The server: `python 08_serve.py --model DIR` serves the OpenAI API (`/v1/models`,
-        `/v1/completions`, `/v1/chat/completions`, streaming as server-sent events) and
-        `/health`, `/tokenize`, `/detokenize`, `/metrics` and a chat page at `/`, on the
-        standard library's HTTP server. The HTTP runs in a process of its own, whose threads
-        check requests into `SamplingParams` and turn each request's new tokens into text and
-        its stream's chunks; in the model's process one engine thread alone adds, aborts and
-        steps, and a pipe joins the two. Errors use the OpenAI envelope with 4xx codes; a
-        client that disconnects has its request aborted and its blocks freed.
-    37. Batched speculation: `--speculative ngram|draft` runs stage 07's speculative decoding
-        across concurrent requests, with greedy outputs identical to plain decoding.
-
-New since stage 07: all of the above: `Detokenizer`; `serve` and the `Server` it returns, with
-the request checks (`generation_request`), the `EngineThread` and, across the pipe, the
-`EngineLink` and its `Delivery` of each request (`http_process`), the HTTP `Handler`, the
-`Metrics` and the chat page (`CHAT_PAGE`); `bench_serve`, the serving bench. Changed: the
-command line, which serves a model; the engine's steps that are not decodes (prompts, and the
-decodes beside them: a server's steps, as requests arrive while others decode) replay CUDA
-graphs too (`StepGraphs`, `LLM.capture_graphs`), for which the paged prefill kernel's grid
-comes from the packed tokens rather than the longest prompt; the scheduler's `prefill_first`
-(`LLM(prefill_first=True)`, on in the server, `--no-prefill-first` turns it off): a step with
-prompt tokens to run runs those only, for the time to first token.
-Kept
-unchanged: the model, tokenizer, the rest of the engine, the other kernels and their torch twins
-(the tests' reference paths), the demo model and tokenizer, the downloads.
-Dropped (each lives on in stage 07): every --bench of stage 07 (structured output, decode
-attention, paged decode, decode tokens/s against transformers, offline throughput, speculative
-decoding) and their helpers; main's demonstrations (generations, structured output, continuous
-batching step by step, the kernels against torch, tokens/s) and their flags.
-
-Run
-    python 08_serve.py                   # a small random Qwen3 with main's demo tokenizer: starts
-                                         # the server, sends it a few requests, stops
-    python 08_serve.py --model DIR       # serve a Hugging Face Qwen3 directory or Hub id on
-                                         # http://127.0.0.1:8000 until Ctrl-C (or SIGTERM)
+    python 08_serve.py               # a tiny random Qwen3 served, sent a few requests, stopped
     python 08_serve.py --model Qwen/Qwen3-0.6B --api-key KEY --speculative ngram
-    python 08_serve.py --bench           # on a GPU: the server under concurrent streaming clients
-
-    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+    python 08_serve.py --bench       # on a GPU: the server under concurrent streaming clients
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hello!"}], "stream": true}'
+
+New since stage 07: chapters 35-37, after stage 07's parts. Changed: a server's steps (prompts
+arriving beside the decodes) replay CUDA graphs too (StepGraphs, captured ahead by
+LLM.capture_graphs), for which the paged prefill kernel's grid comes from the packed tokens and
+forward_packed may stop before the output layer; EngineConfig.prefill_first (on in the server):
+a step with prompt tokens to run runs those only; the command line serves a model. Dropped, and
+kept in stage 07: its benches but for their harness, and main's demonstrations.
+
+The stage's own parts (stage 07's header maps the engine's):
+    35      the text boundary: ids to text, stop strings      Detokenizer
+    36      requests, checked against the OpenAI API          generation_request
+    36      two processes: the engine thread, the HTTP side   EngineThread, EngineLink
+    36      metrics, in Prometheus' format                    Metrics
+    36      HTTP: routes, streams, the chat page              Handler, Delivery, CHAT_PAGE
+    36      the server, started and stopped                   serve, Server
+    37      batched speculation (stage 07's, across requests) load_llm
+    36, 44  the serving bench                                 bench_serve
+            the demo and main                                 demo, main
 """
 
 import argparse
@@ -115,13 +94,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRET = tl.constexpr(INTERPRET)  # kernels can read module globals only when they are constexpr
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels take
+LOG = logging.getLogger(Path(__file__).stem)  # the library logs; main() prints
 # The kernels' input checks (_check_tensor) and the interpreter patch are plumbing, at the end.
 
 
 # ----------------------------------------------------------------------------------------------
 # Chapter 17. Qwen3: the configuration
 # ----------------------------------------------------------------------------------------------
-# the model the rest of the book serves.
+# NEW in stage 07: the model the rest of the book serves.
 #
 # Legend for the model and the engine: B sequences in a batch, T tokens each in this step, S
 # positions of keys and values, C the hidden size, Hq query heads and Hkv key/value heads of D
@@ -151,32 +131,33 @@ class Qwen3Config:
                 raise ValueError(f"Qwen3Config.{name} = {value!r} must be a positive int")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                    or not 0 < value < math.inf):
                 raise ValueError(f"Qwen3Config.{name} = {value!r} must be a positive number")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"Qwen3Config: num_attention_heads ({self.num_attention_heads}) must be "
-                             f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(f"Qwen3Config: num_attention_heads ({self.num_attention_heads}) "
+                             f"must be a multiple of num_key_value_heads "
+                             f"({self.num_key_value_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"Qwen3Config.head_dim = {self.head_dim} must be even (RoPE turns pairs)")
+            raise ValueError(f"Qwen3Config.head_dim = {self.head_dim} must be even "
+                             f"(RoPE turns pairs)")
         if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"Qwen3Config.tie_word_embeddings = {self.tie_word_embeddings!r} must be a bool")
+            raise ValueError(f"Qwen3Config.tie_word_embeddings = {self.tie_word_embeddings!r} "
+                             f"must be a bool")
 
     @classmethod
     def tiny(cls):
-        """A two-layer Qwen3 that runs anywhere in a moment: main's model on a CPU. Untied: random
-        tied embeddings make a model that repeats its last token. Its V = 8,256 rows hold main's
-        tokenizer (8,197 ids, demo_tokenizer) and some unused ones, as Qwen3's rows do."""
+        """Two layers: main's model on a CPU. Untied, since random tied embeddings repeat the last
+        token; V = 8,256 rows hold demo_tokenizer's 8,197 ids and spare ones, as Qwen3's do."""
         return cls(vocab_size=8256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    max_position_embeddings=256, tie_word_embeddings=False)
 
     @classmethod
     def from_json(cls, path):
-        """The config of a Hugging Face config.json. Anything this model does not implement
-        (another architecture, RoPE scaling, sliding windows, biases) is an error naming the
-        key, never silently ignored."""
-        # required: what transformers would fill in from defaults that are no model's shape
-        # (head_dim 128 whatever the width, 32 kv heads)
+        """The config of a Hugging Face config.json. What this model does not implement (another
+        architecture, RoPE scaling, sliding windows, biases) is an error naming the key."""
+        # required: transformers' defaults for these (head_dim 128, 32 kv heads) fit no model
         shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim")
         hf = read_hf_config(path, shape)
@@ -240,13 +221,11 @@ def _check_supported(hf, path):
 # ----------------------------------------------------------------------------------------------
 # Chapter 17. Qwen3: the weights
 # ----------------------------------------------------------------------------------------------
-# A Hugging Face model directory holds config.json and the weights: one model.safetensors, or
-# shards that model.safetensors.index.json maps tensor names to. The usual way to load builds the
-# model with random weights (one copy in memory), reads the file into a state dict (a second)
-# and copies one into the other: twice the model, 32 GB for Qwen3-8B in bf16. Here the model is
-# built on the meta device (shapes, no memory, no random init), each tensor is read from the
-# memory-mapped file straight to its device and dtype, and the model takes the tensor as it is
-# (`load_state_dict(assign=True)`): one tensor in flight at a time, nothing copied twice.
+# A Hugging Face model directory holds config.json and model.safetensors, or shards named by
+# model.safetensors.index.json. Loading into a randomly initialized model holds the weights twice
+# (the model and the state dict). Here the model is built on the meta device (shapes only), each
+# tensor goes from the memory-mapped file straight to its device and dtype, and
+# `load_state_dict(assign=True)` keeps it as it is: one tensor in flight at a time.
 
 HF_URL = "https://huggingface.co/{repo}/resolve/main/{file}"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -292,9 +271,8 @@ def model_folder(model, data_dir=None):
 
 
 def download_model(repo, data_dir=None, timeout=30.0):
-    """Fetch a Hub model's config, tokenizer files and weights into <data dir>/hub/<repo>, through
-    `download` (progress, resume, the sha256 the Hub names in its X-Linked-Etag header); return
-    the folder. Files already there are not fetched again: a complete folder needs no network."""
+    """Fetch a Hub model's config, tokenizer files and weights into <data dir>/hub/<repo> through
+    `download` (resume, the sha256 of X-Linked-Etag); return the folder. Files there are kept."""
     folder = _data_dir(data_dir) / "hub" / repo
     weights = _hub_weight_files(repo, folder, timeout)
     fetch([(HF_URL.format(repo=repo, file=name), folder / name, None)
@@ -303,8 +281,8 @@ def download_model(repo, data_dir=None, timeout=30.0):
 
 
 def _hub_weight_files(repo, folder, timeout):
-    """The weight files of a Hub model: its index and the shards it lists, or model.safetensors.
-    Which layout a repository has is learnt by asking for the index (404: one file)."""
+    """The weight files of a Hub model: its index and the shards it lists, or model.safetensors
+    when asking for the index gets a 404."""
     if not (folder / WEIGHTS_INDEX).is_file() and not (folder / WEIGHTS).is_file():
         url = HF_URL.format(repo=repo, file=WEIGHTS_INDEX)
         try:
@@ -312,10 +290,10 @@ def _hub_weight_files(repo, folder, timeout):
             response.close()
         except requests.RequestException as e:
             raise DataError(
-                f"{repo} cannot be downloaded ({type(e).__name__}: no network?). Place these files "
-                f"from https://huggingface.co/{repo}/tree/main in {folder}: {', '.join(HUB_FILES)}, "
-                f"and {WEIGHTS} (or {WEIGHTS_INDEX} with the shards it lists); or pass the "
-                f"directory that holds them instead of the Hub id") from None
+                f"{repo} cannot be downloaded ({type(e).__name__}: no network?). Place these "
+                f"files from https://huggingface.co/{repo}/tree/main in {folder}: "
+                f"{', '.join(HUB_FILES)}, and {WEIGHTS} (or {WEIGHTS_INDEX} with the shards it "
+                f"lists); or pass the directory that holds them instead of the Hub id") from None
         if response.status_code == 404:
             return [WEIGHTS]
         if response.status_code != 200:
@@ -328,8 +306,7 @@ def _hub_weight_files(repo, folder, timeout):
 
 @contextlib.contextmanager
 def _open_safetensors(path):
-    """safe_open on `path` (memory-mapped; tensors are read when asked for), with a missing or
-    unreadable file reported as a DataError naming it."""
+    """safe_open on `path` (memory-mapped), a missing or unreadable file a DataError naming it."""
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     try:
@@ -356,9 +333,8 @@ def _weight_map(folder):
 
 
 def read_weights(folder, expected, device, dtype):
-    """{name: tensor} for every tensor of `expected` ({name: tensor of the right shape}, meta
-    tensors will do), each read once from its memory-mapped file and converted straight to
-    `device` and `dtype`. A missing, unexpected or misshapen tensor is a DataError naming it."""
+    """{name: tensor} for each of `expected` ({name: meta tensor}), read once, straight to
+    `device` and `dtype`; a missing, unexpected or misshapen tensor is a DataError naming it."""
     where = _weight_map(folder)
     # tied, but the checkpoint stores the head as well: checked below to be the embedding
     stored_head = "lm_head.weight" not in expected and where.pop("lm_head.weight", None)
@@ -391,12 +367,14 @@ def read_weights(folder, expected, device, dtype):
 def _resolve_device_dtype(folder, device, dtype):
     """device: as given, else CUDA when there is one. dtype: as given, else the checkpoint's own
     on a GPU (Qwen3 ships bf16) and float32 on a CPU, where bf16 matmuls are slow."""
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device if device is not None
+                          else "cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None and device.type == "cuda":
         hf = read_hf_config(folder / "config.json", ())
         name = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
         if name not in MODEL_DTYPES:
-            raise DataError(f"{folder / 'config.json'}: dtype {name!r} is not one of {list(MODEL_DTYPES)}")
+            raise DataError(f"{folder / 'config.json'}: dtype {name!r} is not one of "
+                            f"{list(MODEL_DTYPES)}")
         dtype = MODEL_DTYPES[name]
     dtype = dtype or torch.float32
     if dtype not in MODEL_DTYPES.values():
@@ -405,9 +383,8 @@ def _resolve_device_dtype(folder, device, dtype):
 
 
 def load_qwen3(model_dir, device=None, dtype=None, data_dir=None):
-    """Qwen3 in eval mode from a Hugging Face directory (config.json and model.safetensors, or
-    shards with model.safetensors.index.json) or a Hub id, downloaded on first use. device and
-    dtype: see _resolve_device_dtype. The Triton kernels are on when the device is CUDA."""
+    """Qwen3 in eval mode from a Hugging Face directory or a Hub id (downloaded on first use).
+    device and dtype: see _resolve_device_dtype. The Triton kernels are on for CUDA."""
     folder = model_folder(model_dir, data_dir)
     cfg = Qwen3Config.from_json(folder / "config.json")
     device, dtype = _resolve_device_dtype(folder, device, dtype)
@@ -420,8 +397,7 @@ def load_qwen3(model_dir, device=None, dtype=None, data_dir=None):
 
 
 def save_qwen3(model, folder):
-    """Write `model` as a Hugging Face directory (config.json, model.safetensors) that load_qwen3
-    and transformers both read; return the folder."""
+    """Write `model` as a Hugging Face directory that load_qwen3 and transformers read."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -432,25 +408,19 @@ def save_qwen3(model, folder):
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 16. The tokenizer and the chat format
+# Chapter 17. Qwen3's tokenizer and chat format
 # ----------------------------------------------------------------------------------------------
-# the tokenizer of a Hugging Face model directory, on tiktoken.
+# NEW in stage 07: the tokenizer of a Hugging Face model directory, on tiktoken.
 #
-# Qwen3's tokenizer is GPT-2's kind (chapter 4), byte-level BPE, written in Hugging Face's
-# tokenizer.json instead of a ranks file. That file holds
-#   model.vocab    token -> id. A token spells bytes through GPT-2's byte <-> character map,
-#                  which writes each byte as a printable character (a space is "Ġ", a newline "Ċ");
-#   model.merges   the learned pairs, first learned first ("Ġ t": glue "Ġ" and "t");
-#   normalizer     what happens to the text first (Qwen: NFC, so "e" + U+0301 and "é" are alike);
-#   pre_tokenizer  the regex that cuts text into chunks, as GPT-2's did;
-#   added_tokens   strings matched whole before BPE sees the text: <|im_start|>, <think>, ...;
-#                  "special" ones are control tokens that decode may skip.
-# tiktoken merges the adjacent pair whose joined bytes have the lowest id; Hugging Face merges the
-# pair learned first. In a vocabulary learned by BPE a token's id is the step that made it, so the
-# two orders are one: the vocabulary *is* tiktoken's ranks, and encoding runs in tiktoken's Rust.
-# `load_tokenizer` checks that order and refuses, as a DataError naming the file, what tiktoken
-# cannot represent. Added tokens are matched here, in Python, the way tokenizers matches them:
-# the longest at a place, some in the raw text, some after normalizing.
+# Qwen3's tokenizer is GPT-2's byte-level BPE (chapter 4), written as tokenizer.json: model.vocab
+# (token -> id, each byte spelled as a printable character: a space is "Ġ"), model.merges (the
+# learned pairs, first learned first), a normalizer (Qwen: NFC), the pre-tokenizer's regex, and
+# added tokens (<|im_start|>, <think>, ...) matched whole before BPE ("special": decode may skip).
+# tiktoken merges the pair whose joined bytes have the lowest id, tokenizers the pair learned
+# first. In a vocabulary learned by BPE a token's id is the step that made it, so the two orders
+# agree: the vocabulary is tiktoken's ranks, and encoding runs in tiktoken's Rust. load_tokenizer
+# checks that order and refuses what tiktoken cannot represent; added tokens are matched here, in
+# Python, the longest at a place, as tokenizers matches them.
 
 # GPT-2's pre-tokenizer: what tokenizers' ByteLevel pre-tokenizer applies when its use_regex is on.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -459,23 +429,20 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 @functools.cache
 def byte_level_alphabet():
     """GPT-2's byte <-> character map as {character: byte}: the 188 printable bytes stand for
-    themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) for chr(256), chr(257), ... in
-    byte order."""
+    themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) for chr(256), chr(257), ..."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 def _optional_json(path):
-    """A JSON object from `path`, {} when the file is absent (each file but tokenizer.json is
-    optional)."""
+    """A JSON object from `path`, {} when the file is absent."""
     return read_hf_config(path, ()) if path.is_file() else {}
 
 
 def _split_pattern(spec, source):
-    """The regex that cuts normalized text into the chunks BPE works in, for tiktoken. The file's
-    regex is written for Oniguruma, tokenizers' regex engine; Qwen's reads the same in tiktoken's
-    (fancy-regex), and one that does not compile there is an error in load_tokenizer."""
+    """The regex that cuts normalized text into BPE's chunks, for tiktoken. The file's regex is
+    Oniguruma's (tokenizers'); Qwen's reads the same in tiktoken's fancy-regex."""
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
@@ -491,9 +458,8 @@ def _split_pattern(spec, source):
             and split.get("behavior") == "Isolated" and not split.get("invert")):
         raise DataError(f"{source}: pre-tokenizer {pre} is not supported: expected ByteLevel "
                         "alone, or Split(Regex, Isolated) then ByteLevel(use_regex false)")
-    # Text the regex leaves between two matches is a chunk of its own in tokenizers, while
-    # tiktoken drops it. The second alternative takes such a stretch: characters where no match
-    # begins. (Qwen's regex matches everything, so there it never runs.)
+    # tokenizers keeps the text between two matches as a chunk, tiktoken drops it: the second
+    # alternative takes such a stretch (never with Qwen's regex, which matches everything)
     return f"(?:{regex})|(?:(?!{regex})[\\s\\S])+"
 
 
@@ -502,9 +468,8 @@ def _as_is(text):  # (a named function, not a lambda: a tokenizer pickles, for 0
 
 
 def _normalizer(spec, source):
-    """The function the tokenizer applies to text before splitting it: nothing, or NFC. NFC here
-    is Python's unicodedata, whose tables are newer than tokenizers' (which predate Unicode 10):
-    combining marks assigned since then, rare in any text, may be ordered differently."""
+    """What the tokenizer applies to text before splitting it: nothing, or NFC (Python's tables
+    are newer than tokenizers': marks assigned since Unicode 10 may be ordered differently)."""
     normalizer = spec.get("normalizer")
     if normalizer is None:
         return _as_is
@@ -532,12 +497,9 @@ def _check_byte_level_bpe(spec, source):
 
 
 def _bpe_ranks(model, added_ids, source):
-    """tiktoken's ranks from a BPE vocabulary and merges, and every vocabulary token's bytes.
-
-    Returns (ranks, vocab_bytes): ranks {bytes: id} holds the 256 single bytes and each token a
-    merge makes, ids unchanged; vocab_bytes {id: bytes} every token, for decoding. A token that
-    no merge makes (say a special token trained into the vocabulary) stays out of the ranks:
-    tokenizers' BPE can never produce it, so tiktoken must not either."""
+    """(ranks, vocab_bytes) of a BPE vocabulary and merges: ranks {bytes: id}, tiktoken's, holds
+    the 256 single bytes and each token a merge makes; vocab_bytes {id: bytes} every token, for
+    decoding. A token no merge makes stays out of the ranks: BPE can never produce it."""
     alphabet = byte_level_alphabet()
     vocab = model["vocab"]
     vocab_bytes = {}
@@ -603,9 +565,8 @@ def config_eos_token_ids(folder):
 
 
 def _eos_token_ids(model_dir, tok_config, token_id):
-    """The union of the end-of-sequence ids that config.json, generation_config.json (an id or a
-    list) and tokenizer_config.json (a token string) name: Qwen3 chat models end a turn with
-    <|im_end|> but may also emit <|endoftext|>, and each file names only some of them."""
+    """The eos ids that config.json, generation_config.json and tokenizer_config.json name, all
+    of them: Qwen3 ends a turn with <|im_end|> but may emit <|endoftext|>, and each names some."""
     ids = config_eos_token_ids(model_dir)
     token = tok_config.get("eos_token")
     if isinstance(token, dict):  # an AddedToken written out in full
@@ -619,9 +580,8 @@ def _eos_token_ids(model_dir, tok_config, token_id):
 
 
 def load_tokenizer(model_dir):
-    """The Tokenizer of a Hugging Face model directory: tokenizer.json (byte-level BPE) on
-    tiktoken, with the eos ids and chat template that tokenizer_config.json, config.json and
-    generation_config.json declare (each optional)."""
+    """The Tokenizer of a Hugging Face model directory: tokenizer.json on tiktoken, with the eos
+    ids and chat template the directory's other (optional) files declare."""
     model_dir = Path(model_dir)
     source = model_dir / "tokenizer.json"
     if not source.is_file():
@@ -638,8 +598,8 @@ def load_tokenizer(model_dir):
     except ValueError as e:  # a regex in a syntax tiktoken's engine (fancy-regex) does not read
         raise DataError(f"{source}: tiktoken cannot use the pre-tokenizer regex {pattern!r} "
                         f"({e})") from None
-    # An added token decodes as tokenizers' ByteLevel decoder does: through the byte map when all
-    # its characters are in it (every ASCII special token), as its UTF-8 otherwise.
+    # an added token decodes as tokenizers' ByteLevel decoder does: through the byte map when all
+    # its characters are in it, as its UTF-8 otherwise
     alphabet = byte_level_alphabet()
     for content, (token_id, _, _) in added.items():
         in_map = all(c in alphabet for c in content)
@@ -652,20 +612,16 @@ def load_tokenizer(model_dir):
                      _chat_template(model_dir, tok_config))
 
 
-def _one_piece(text):  # (a named function, not a lambda: a tokenizer pickles, for 08's server)
+def _one_piece(text):  # (named, not a lambda: see _as_is)
     return [text]
 
 
 class Tokenizer:
-    """Text <-> ids for one model, the same ids as Hugging Face tokenizers' on every text.
-
-    eos_token_ids: the ids that end generation. token_bytes: id -> the bytes it decodes to (b""
-    for ids the tokenizer does not define). special_ids: the special added tokens, which decode
-    may skip. chat_template: the model's Jinja template, read only to check that it is Qwen3's
-    (None for a base model). Built by `load_tokenizer` from bpe, the tiktoken Encoding of the BPE
-    alone; added, {content: (id, special, normalized)}, the strings matched whole before BPE
-    (normalized ones in the normalized text); and normalize, applied between added tokens.
-    """
+    """Text <-> ids, the same ids as Hugging Face tokenizers' on every text. Built by
+    load_tokenizer from bpe (tiktoken's Encoding of the BPE alone), token_bytes (id -> bytes, b""
+    where undefined), added ({content: (id, special, normalized)}: matched whole before BPE,
+    normalized ones in the normalized text), normalize, eos_token_ids (they end generation) and
+    chat_template (the Jinja template, only checked to be Qwen3's; None for a base model)."""
 
     def __init__(self, bpe, token_bytes, added, normalize, eos_token_ids, chat_template):
         self.bpe, self.token_bytes, self.normalize = bpe, token_bytes, normalize
@@ -677,17 +633,16 @@ class Tokenizer:
 
     @staticmethod
     def _splitter(tokens):
-        """A function that cuts text at these tokens into [text, token, text, ..., text]. The
-        longest comes first in the alternation: at one position the longest wins, as in
-        tokenizers."""
+        """A function that cuts text at these tokens into [text, token, text, ..., text], the
+        longest winning at one position, as in tokenizers."""
         if not tokens:
             return _one_piece
         alternation = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))
         return re.compile(f"({alternation})").split  # the group keeps the tokens in the list
 
     def encode(self, text):
-        """The ids of `text`, its added tokens included, special or not (as in tokenizers, so the
-        chat format's control tokens encode). Lone surrogates become U+FFFD, as in tiktoken."""
+        """The ids of `text`, added tokens included, special or not (so the chat format's control
+        tokens encode). Lone surrogates become U+FFFD, as in tiktoken."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
         ids = []
@@ -700,30 +655,26 @@ class Tokenizer:
         return ids
 
     def decode_bytes(self, ids, skip_special_tokens=False):
-        """The bytes `ids` spell. Ids the tokenizer does not define decode to nothing: Qwen3's
-        model scores 151,936 ids, more than its tokenizer has, and a sampler may pick any."""
+        """The bytes `ids` spell; ids the tokenizer does not define (the model scores more ids
+        than the tokenizer has) decode to nothing."""
         table, n = self.token_bytes, len(self.token_bytes)
         skip = self.special_ids if skip_special_tokens else ()
         return b"".join(table[i] for i in ids if 0 <= i < n and i not in skip)
 
     def decode(self, ids, skip_special_tokens=False):
-        """The text of `ids`, decoded from the bytes of the whole sequence at once (a token may
-        hold part of a character); bytes that are not UTF-8 become U+FFFD, as in tokenizers."""
+        """The text of `ids`, decoded from all their bytes at once (a token may hold part of a
+        character); bytes that are not UTF-8 become U+FFFD."""
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages, add_generation_prompt=True, enable_thinking=True):
         """Qwen3's chat format as text (`encode` it for the ids, as transformers does):
-
             <|im_start|>system\\n{content}<|im_end|>\\n     (the same for user turns)
             <|im_start|>assistant\\n{content}<|im_end|>\\n
             <|im_start|>assistant\\n                       (the generation prompt)
-
         messages: dicts with "role" (system, user or assistant) and "content" (str); an assistant
-            turn's reasoning is its "reasoning_content", else the <think>...</think> in its content,
-            and is shown only in the turns after the last user query (as Qwen3's template does).
-        enable_thinking=False adds an empty <think>\\n\\n</think>\\n\\n after the generation prompt,
-            which tells the model to answer without reasoning.
-        """
+            turn's reasoning (its "reasoning_content", else the <think>...</think> in its content)
+            shows only after the last user query. enable_thinking=False appends an empty think
+            block to the generation prompt: answer without reasoning."""
         if self.chat_template is None:
             raise ValueError("this is a base model (no chat template in its tokenizer_config.json "
                              "or chat_template.jinja): give it plain text, not chat messages")
@@ -733,8 +684,7 @@ class Tokenizer:
         if not isinstance(add_generation_prompt, bool) or not isinstance(enable_thinking, bool):
             raise TypeError("add_generation_prompt and enable_thinking must be True or False")
         _check_messages(messages)
-        # Reasoning shows only in the turns after the last query: a user turn that is not a tool
-        # result passed back (with no query, in none).
+        # the last query: the last user turn that is not a tool result passed back
         last_query, turns = len(messages) - 1, []
         for i, message in enumerate(messages):
             text = message["content"]
@@ -769,9 +719,8 @@ def _check_messages(messages):
 
 
 def _assistant_text(message, after_last_query, is_last):
-    """An assistant turn's text. Its reasoning is `reasoning_content` or, failing that, what its
-    content holds before </think>; it is written back in a think block only in the turns that
-    answer the last query (in the last turn, an empty block when there was none)."""
+    """An assistant turn's text: its reasoning in a think block only after the last query (in
+    the last turn, an empty block when there was none)."""
     content, reasoning = message["content"], message.get("reasoning_content")
     if reasoning is None:
         reasoning = ""
@@ -818,11 +767,9 @@ def _bpe_parts(token, ranks, below):
 
 
 def byte_level_bpe_json(ranks, added):
-    """A tiktoken BPE with GPT-2's pre-tokenizer, written as Hugging Face's tokenizer.json (a
-    dict): the inverse of load_tokenizer. added: (id, content, special) of each added token.
-    A ranks file stores no merges, only each token's rank; the merge that made a token is what
-    BPE makes of its bytes with the lower ranks alone, which is two pieces for every token that
-    BPE learned (the recovery transformers' converter from tiktoken uses too)."""
+    """A tiktoken BPE with GPT-2's pre-tokenizer as a tokenizer.json dict: the inverse of
+    load_tokenizer. added: (id, content, special) of each added token. Ranks store no merges: a
+    token's merge is the two pieces BPE makes of its bytes with the lower ranks alone."""
     to_char = {b: c for c, b in byte_level_alphabet().items()}
 
     def spell(data):
@@ -837,8 +784,7 @@ def byte_level_bpe_json(ranks, added):
             merges.append([spell(parts[0]), spell(parts[1])])
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": True}
-    # The BPE model's other options (dropout, byte_fallback, ...) are left to tokenizers'
-    # defaults, which are byte-level BPE's; an added token must spell out all of its flags.
+    # tokenizers' defaults are byte-level BPE's; an added token must spell out all its flags
     return {"version": "1.0", "normalizer": None, "pre_tokenizer": byte_level,
             "decoder": byte_level,
             "added_tokens": [{"id": i, "content": content, "special": special, "normalized": False,
@@ -849,170 +795,46 @@ def byte_level_bpe_json(ranks, added):
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 17. Qwen3: the model
+# Chapter 17. Qwen3: the model, on its kernels
 # ----------------------------------------------------------------------------------------------
-# A Qwen3 block is Llama's with one addition: x + attention(rmsnorm(x)), then x + mlp(rmsnorm(x));
-# attention projects to Hq query and Hkv key/value heads, normalizes each query and key head with
-# its own RMSNorm (Qwen3's q/k norm, which keeps attention logits in range without a bias),
-# rotates them by position (RoPE), and attends causally; the MLP is SwiGLU. Every op is computed
-# as transformers' Qwen3ForCausalLM computes it, rounding included, so that fp32 logits agree to
-# 1e-4. On a GPU, RMSNorm, SwiGLU and the prefill's attention run on the Triton kernels of stages
-# 05 and 06 (forward only: nothing here trains); each has its plain torch twin, which runs
-# everywhere and is what the kernels are checked against (`Qwen3.use_kernels`).
+# A Qwen3 block is Llama's plus one thing: x + attention(rmsnorm(x)), then x + mlp(rmsnorm(x)),
+# where attention normalizes each query and key head with its own RMSNorm (q/k norm, which keeps
+# the logits in range) before RoPE, and the MLP is SwiGLU. Every op rounds as transformers'
+# Qwen3ForCausalLM does, so fp32 logits agree to 1e-4. On a GPU, RMSNorm, SwiGLU and attention
+# run on the Triton kernels of stages 05 and 06 (forward only); each has a torch twin that runs
+# everywhere and checks them (`Qwen3.use_kernels`).
 
 # ------------------------------------------------------------------------------------------------
-# 17.1 RMSNorm, on stage 05's row kernels
+# 17.1 RMSNorm
 # ------------------------------------------------------------------------------------------------
-# RMSNorm y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). The kernel reads x once and
-# writes y once; the torch twin reads and writes several fp32 temporaries. Stage 05's kernels
-# serve LayerNorm too (RMS is a constexpr, and the compiler drops the branch not taken); this
-# stage launches them for RMSNorm only, with no statistics saved for a backward. They hold whole
-# rows in registers, or stream rows wider than _MAX_FUSED_NORM_N (and fp32 rows from 1,024
-# columns) in chunks: 14.3b below.
-
-_MAX_FUSED_NORM_N = 8192  # the norms stream wider 16-bit rows, and fp32 rows from 1,024
-_CHUNK = 4096  # chunk of a streamed (wide) row
-
+# RMSNorm y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps): the kernel reads x and writes y
+# once, a row a program (a Qwen3 row, 128 to 5,120 values, fits in registers, so stage 05's loop
+# over wide rows is gone). ADD fuses the residual add in front (chapter 19).
 
 @triton.jit
-def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, eps, n_rows, N: tl.constexpr, RMS: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, R=None, S=None):
-    # X, Y (n_rows, N); W, B (N,) (B may be None); MEAN, RSTD (n_rows,) fp32, None when not wanted
-    # (MEAN always None for RMS). N is a compile-time constant: where N == BLOCK_N the column mask folds away.
-    # R (n_rows, N), or None: added to x first, the sum written to S and normalized (stage 06's
-    # add_layer_norm).
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]  # (ROWS, BLOCK_N)
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    if R is not None:  # in fp32, then rounded to S's dtype: what torch's x + r computes
-        x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
-        x = x.to(S.dtype.element_ty).to(tl.float32)  # the norm reads the sum as it was stored
-    if RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)  # centered; masked lanes stay 0
-        if MEAN is not None:
-            tl.store(MEAN + rows, mean, mask=rows < n_rows)
-    # the variance of centered values: no cancellation, unlike E[x^2] - E[x]^2
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    if RSTD is not None:
-        tl.store(RSTD + rows, rstd, mask=rows < n_rows)
-    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :]
-    if B is not None:
-        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-
-# ------------------------------------------------------------------------------------------------
-# 17.1b Rows wider than registers hold: streaming the norm
-# ------------------------------------------------------------------------------------------------
-# A wide row held whole in registers leaves one or two programs per SM, whose loads stop while
-# they reduce and store (layer norm at 16,384 columns: 85% of copy bandwidth on the H200). What
-# streaming adds: one program a row, two passes over chunks of it. Pass 1 keeps running statistics
-# per lane (Welford's update) and merges the lanes once, after the loop; pass 2 re-reads the row,
-# the second time from L2, and writes y. What it buys: the program keeps loading, and the same
-# layer norm reaches 95% of copy bandwidth.
-
-
-@triton.jit
-def _welford_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    # Combine two partial (mean, m2, count) into one (Chan et al.); an empty side changes nothing.
-    n = n_a + n_b
-    frac_b = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
-    delta = mean_b - mean_a
-    return mean_a + delta * frac_b, m2_a + m2_b + delta * delta * n_a * frac_b, n
-
-
-@triton.jit
-def _norm_fwd_chunk(x_ptr, w_ptr, b_ptr, y_ptr, cols, mean, rstd, N, MASKED: tl.constexpr):
-    # y = (x - mean) * rstd * w (+ b) for one chunk of a streamed row
-    mask = cols < N if MASKED else None
-    other = 0.0 if MASKED else None
-    x = tl.load(x_ptr + cols, mask=mask, other=other, eviction_policy="evict_first").to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
-    y = (x - mean) * rstd * w
-    if b_ptr is not None:
-        y += tl.load(b_ptr + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
-    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, eps, N: tl.constexpr, RMS: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    # Wide rows, one program per row, two passes over chunks of BLOCK_N. Pass 1 keeps running
-    # statistics *per lane* (Welford's update, one value at a time for each of the BLOCK_N lanes)
-    # and merges the lanes once, after the loop: no reduction across lanes, and so no barrier,
-    # inside the loop. N is a compile-time constant (one compile per row width): the loops over
-    # whole chunks have a known trip count, need no mask, and are unrolled, so the loads of
-    # several chunks are in flight at once; a ragged last chunk is handled after each loop.
-    # Pass 2 re-reads the row, which pass 1 asked L2 to keep, and writes y.
+def _rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr, ADD: tl.constexpr):
+    # ADD: x += r first, rounded to x's dtype as torch rounds it and written back (x is the
+    # residual stream); then y = x * rstd * w in fp32, rounded once
     row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * N
-    y_row = Y + row * N
-    FULL: tl.constexpr = N // BLOCK_N * BLOCK_N  # columns in whole chunks
     cols = tl.arange(0, BLOCK_N)
-    mean = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    m2 = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum of squared deviations (of squares for RMS)
-    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
-        x = tl.load(x_row + start + cols, eviction_policy="evict_last").to(tl.float32)
-        if RMS:
-            m2 += x * x
-        else:
-            delta = x - mean
-            mean += delta * (1.0 / (start // BLOCK_N + 1))  # the lane's k-th value: 1/k of the way
-            m2 += delta * (x - mean)
-    count = tl.full((BLOCK_N,), FULL // BLOCK_N, tl.float32)  # values each lane has seen
-    if FULL < N:  # the ragged last chunk: lanes inside the row take one more value
-        seen = FULL + cols < N
-        x = tl.load(x_row + FULL + cols, mask=seen, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if RMS:
-            m2 += x * x
-        else:
-            count += seen.to(tl.float32)
-            delta = tl.where(seen, x - mean, 0.0)
-            mean += delta / tl.maximum(count, 1.0)  # a lane may have seen nothing yet
-            m2 += delta * (x - mean)
-    if RMS:
-        row_mean = 0.0
-        row_m2 = tl.sum(m2, axis=0)
-    else:
-        row_mean, row_m2, _ = tl.reduce((mean, m2, count), 0, _welford_merge)
-        if MEAN is not None:
-            tl.store(MEAN + row, row_mean)
-    rstd = 1.0 / tl.sqrt(row_m2 / N + eps)
-    if RSTD is not None:
-        tl.store(RSTD + row, rstd)
-    for start in tl.range(0, FULL, BLOCK_N, loop_unroll_factor=4):
-        _norm_fwd_chunk(x_row + start, W + start, B + start if B is not None else None, y_row + start,
-                        cols, row_mean, rstd, N, False)
-    if FULL < N:
-        _norm_fwd_chunk(x_row + FULL, W + FULL, B + FULL if B is not None else None, y_row + FULL,
-                        cols, row_mean, rstd, N - FULL, True)
+    mask = cols < N
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(R + row * N + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(X + row * N + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
-def _rms_norm_rows(x, weight, eps):
-    """x (rows, N) -> y (rows, N), RMSNorm: stage 05's forward launch, for RMS and no statistics."""
-    n_rows, n_cols = x.shape
+def _launch_rms_norm(x, residual, weight, eps):
+    n_rows, n = x.view(-1, x.shape[-1]).shape
     y = torch.empty_like(x)
-    args = (x, weight, None, y, None, None, eps)
-    block_n = triton.next_power_of_2(n_cols)
-    if n_cols > _MAX_FUSED_NORM_N or (x.element_size() == 4 and n_cols >= 1024):
-        # streamed where that is faster on the H200: chunks of half the row (at most _CHUNK),
-        # one 16-byte load a thread a chunk
-        chunk = min(_CHUNK, block_n // 2)
-        _norm_fwd_looped_kernel[(n_rows,)](*args, n_cols, RMS=True, BLOCK_N=chunk,
-                                           num_warps=chunk * x.element_size() // (16 * 32))
-    else:
-        # whole rows in registers, 16 values a thread, several rows a program when they are short
-        rows = min(max(1, 1024 // block_n), triton.next_power_of_2(n_rows))
-        _norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](*args, n_rows, n_cols, RMS=True, ROWS=rows,
-                                                       BLOCK_N=block_n,
-                                                       num_warps=min(16, max(1, rows * block_n // 512)))
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(n_rows,)](x, residual, weight, y, eps, N=n, BLOCK_N=block,
+                                ADD=residual is not None, num_warps=min(16, max(1, block // 256)))
     return y
 
 
@@ -1027,16 +849,15 @@ def _check_norm(x, weight, bias):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
 
 
-def rms_norm(x, weight, eps=1e-6):
+def rms_norm(x, weight, eps=1e-6):  # changed in 07: forward only, a row a program
     """RMSNorm of x (..., N): x / sqrt(mean(x^2) + eps) * weight, weight (N,)."""
     _check_norm(x, weight, None)
-    return _rms_norm_rows(x.view(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return _launch_rms_norm(x, None, weight, eps)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension. The torch twin computes it as transformers does: the
-    statistics in fp32, x normalized in fp32 and rounded to its dtype, then scaled by the weight.
-    The kernel scales in fp32 and rounds once: in bf16 the two differ by a rounding."""
+    """RMSNorm over the last dimension. The torch twin rounds as transformers does (normalized in
+    fp32, rounded, then scaled); the kernel rounds once, so in bf16 they differ by a rounding."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -1055,9 +876,8 @@ class RMSNorm(nn.Module):
 # ------------------------------------------------------------------------------------------------
 # 17.2 The SwiGLU MLP, on stage 05's elementwise kernel
 # ------------------------------------------------------------------------------------------------
-# SwiGLU, silu(gate) * up with silu(g) = g * sigmoid(g), is the MLP activation of Llama-style
-# models: down(silu(gate(x)) * up(x)). As torch ops it writes silu(gate) and reads it back; the
-# kernel reads gate and up once and writes the product once.
+# The MLP is down(silu(gate(x)) * up(x)), silu(g) = g * sigmoid(g). As torch ops it writes
+# silu(gate) and reads it back; the kernel reads gate and up once and writes the product once.
 
 _ELEMENTWISE_BLOCK = 4096
 
@@ -1082,12 +902,13 @@ def _launch_elementwise(kernel, *tensors):
     kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](*tensors, n, BLOCK=_ELEMENTWISE_BLOCK, num_warps=8)
 
 
-def swiglu(gate, up):
+def swiglu(gate, up):  # changed in 07: forward only
     """silu(gate) * up, elementwise; gate and up of one shape and dtype."""
     _check_tensor("gate", gate)
     _check_tensor("up", up, device=gate.device)
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} differ")
     y = torch.empty_like(gate)
     _launch_elementwise(_swiglu_fwd_kernel, gate, up, y)
     return y
@@ -1110,16 +931,14 @@ class MLP(nn.Module):
 # ------------------------------------------------------------------------------------------------
 # 17.3 Rotary position embeddings
 # ------------------------------------------------------------------------------------------------
-# RoPE tells attention where each token is by rotating its query and key: pair i of a head turns
-# by the angle position * theta^(-2i/D), so the score of a query and a key depends on the
-# difference of their positions only. Qwen3 pairs value i with value i + D/2 ("rotate half"):
-# (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The angles are computed in fp32 and rounded to
-# the activations' dtype only as cos and sin: an angle of 40,000 radians in bf16 would be off by
-# more than a whole turn.
+# RoPE rotates each query and key by position: pair i of a head turns by position *
+# theta^(-2i/D), so a score depends on the difference of positions only. Qwen3 pairs value i with
+# i + D/2 ("rotate half"). Angles stay fp32 until cos and sin: 40,000 radians in bf16 would be off
+# by more than a turn.
 
 def rope_inv_freq(cfg):
-    """(D/2,) fp32: theta^(-2i/D), the angle per position of pair i. Computed on the CPU as
-    transformers does (pow's last bit may differ on another device)."""
+    """(D/2,) fp32: theta^(-2i/D), pair i's angle per position; on the CPU, as transformers
+    computes it (pow's last bit may differ on another device)."""
     D = cfg.head_dim
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device="cpu") / D))
 
@@ -1141,12 +960,10 @@ def apply_rope(x, cos, sin):
 # ------------------------------------------------------------------------------------------------
 # 17.4 Attention: stage 06's flash forward for the prefill, and the torch twin
 # ------------------------------------------------------------------------------------------------
-# A prefill attends causally over the prompt itself: stage 06's flash_attention forward, kept
-# below unchanged but for its autograd wrapper (the conventions: q (B, Hq, T, D), k, v
-# (B, Hkv, S, D), the causal mask aligned bottom-right, grouped-query heads read by index).
-# Decoding attends one new query a row over the cache, each row up to its own length:
-# decode_attention below on the kernels, else the torch twin, which is transformers' eager
-# attention: scores in the inputs' dtype, the softmax in fp32 rounded back.
+# A prefill attends causally over the prompt: stage 06's flash_attention forward, unchanged but
+# for its autograd wrapper. Decoding attends one query a row over the cache, each row up to its
+# own length: decode_attention below. The torch twin is transformers' eager attention (scores in
+# the inputs' dtype, the softmax in fp32 rounded back).
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 HEAD_DIMS = (32, 64, 128, 256)
@@ -1158,23 +975,12 @@ def _expand_kv(q, k, v):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-# Triton kernels. Tiles move through tensor descriptors: on Hopper the copy engine (TMA) fetches
-# a tile into shared memory, where the tensor cores read it, and rows past the end of T or S come
-# back as zeros, so no load needs a mask. The descriptors are built on the host, once a launch,
-# over the whole (B, H, T, D) tensor (_desc): a program names its tile by (b, h, row, 0). Built
-# in the kernel instead, each program writes its own to global memory and fences before its
-# first load: at the GPT's shape (B=16, H=12, T=1,024, D=64, causal) on the H200 the forward
-# took 122 us that way and 96 us with the host's, the backward 377 and 305 us. The forward
-# writes O with a masked store, and has one exception: its warp-specialized tile, which Triton
-# 3.6 splits between two consumer warpgroups of half the query block each. Its query copies go
-# through the query's descriptor: one built in the kernel is re-tiled to the half, a host-built
-# one keeps its whole-block tile, so each copy fills twice what its barrier waits for and the
-# kernel hangs (on the H200). Its masked store of O, split the same way, gave wrong rows and an
-# illegal address there. So that tile builds its own descriptors of q and O (_head_desc): a
-# host-built one of O would need the tile reshaped to (1, 1, rows, D), which does not compile.
-# The kernel is autotuned per head size, mask, dtype and sequence-length bucket (the next power
-# of two, 128 to 16384), not per exact length: prompts of every length then tune a handful of
-# times, not once each.
+# Stage 06's forward kernel (06 explains its tiles and descriptors; diff 06 against 07). Tiles
+# move through tensor descriptors built on the host (_desc); O leaves by a masked store, since a
+# host-built descriptor of O would need a reshape that does not compile. The warp-specialized
+# tile, split between two consumer warpgroups, builds its own descriptors of q and O
+# (_head_desc): there a host-built q hangs the kernel and a masked store writes wrong rows.
+# Autotuned per sequence-length bucket (_seq_bucket): prompts of every length tune a few times.
 
 
 def _seq_bucket(n):
@@ -1232,29 +1038,10 @@ def _prune_configs(configs, named_args, **kwargs):
     return [c for c in kept if not c.float32_only]
 
 
-# Tile shapes: each candidate was compiled for sm_90a and kept if it fits shared memory (227 KB)
-# and spills no registers, or a few bytes (64 B in the causal 128 x 64 tile at D=128, which uses
-# all 255 registers). Under the interpreter, one small configuration, with
-# BLOCK_M != BLOCK_N to exercise that too (the GPU list is built on every machine all the same,
-# so a CPU run checks it).
-# Forward: 128 query rows (64 for short causal rows), 64 or 128 keys a step. One warpgroup (4
-# warps) holding all 128 rows beat two warpgroups of 64 rows (8 warps) on the H200 at every
-# length: at D=128, B=4, H=16, T=4,096, 128 x 64 tiles with 4 warps ran at 0.82x cuDNN against
-# 0.75x for the best 8-warp tile, and 0.87x against 0.81x at T=16,384.
-# Warp specialization (tl.range(..., warp_specialize=True)) splits a program into roles. Its own
-# warpgroup (4 warps) becomes a producer that only issues the TMA loads of K and V, into a ring
-# of two shared-memory buffers; the compiler adds two consumer warpgroups that only do the math,
-# 64 of the 128 query rows each, each waiting on a barrier for its next tile. The loads run ahead
-# without the registers a software pipeline spends on them, and the consumers take the registers
-# the producer does not need (232 a thread), so a 128 x 128 tile fits, which a plain 4-warp
-# program could not hold. Triton 3.6's Hopper pass runs only on programs launched with 4 warps,
-# and fails to compile a kernel with two key loops, so it serves the one-loop path: non-causal,
-# S a multiple of 128 (_prune_configs). D=128, T=4,096 and 16,384 on the H200: 4% faster than
-# the plain 128 x 64 tile; at D=64 the plain 64 x 128 tile stays 10% faster.
-# float32 at D=256 (float32 is there for checking): the 8-warp D=256 tiles compile its three-pass
-# products to wgmma, and on the H200 stage 06's dK/dV kernel then read outside shared memory
-# (compute-sanitizer). A 4-warp tile of 32 rows compiles them to mma.sync and runs clean, the
-# forward 1e-6 from float64; float32 inputs get it alone (float32_only).
+# Stage 06's tiles, each kept because it fits shared memory and spills (almost) no registers:
+# 128 query rows on one warpgroup, 64 or 128 keys a step. The warp-specialized 128 x 128 tile (a
+# producer warpgroup issues the K/V loads, two consumers do the math) serves only the one-loop
+# path (non-causal, S a multiple of 128); float32 at D=256 gets a 32-row mma.sync tile alone.
 _FWD_CONFIGS = (
     [_config(128, 128, 4, 2, (128,), warp_specialize=True)]
     + [_config(128, 64, 4, 2), _config(64, 64, 4, 3), _config(128, 128, 8, 3, (128,))]
@@ -1311,8 +1098,7 @@ def _fwd_kv_loop(acc, m_i, l_i, q, k_desc, v_desc, b, kvh, lo, hi, offs_m, T, S,
     return acc, m_i, l_i
 
 
-# The forward's prologue: one program per (query block, batch * query head), and the keys it
-# walks (stage 06's dQ kernel shared these three pieces).
+# The forward's prologue: its program's query block and heads, and the keys it walks.
 @triton.jit
 def _query_block_program(Hq, GROUP, CAUSAL: tl.constexpr):
     """This program's query block and (batch, query head, kv head). Causal: later query blocks see
@@ -1503,7 +1289,7 @@ def _flash_forward(q, k, v, causal, sm_scale):
     return out, lse2
 
 
-def flash_attention(q, k, v, causal=True, sm_scale=None):
+def flash_attention(q, k, v, causal=True, sm_scale=None):  # changed in 07: forward only
     """softmax(sm_scale * q k^T, masked) v: q (B, Hq, T, D), k, v (B, Hkv, S, D) -> (B, Hq, T, D).
     Hq a multiple of Hkv: query head h attends with kv head h // (Hq // Hkv). D in {32, 64, 128,
     256}. float16, bfloat16 or float32. CUDA tensors, or CPU ones under the interpreter. causal:
@@ -1530,68 +1316,53 @@ def attention_torch(q, k, v, positions):
 # ------------------------------------------------------------------------------------------------
 # 17.4 continued: decode attention over a long cache, flash-decoding (chapter 19)
 # ------------------------------------------------------------------------------------------------
-# A decode step attends one new query a row over that row's whole cache. Per
-# row and kv head the keys and values are 2 * S * D numbers, read once; the G query heads that
-# share them do 4 * G * S * D FLOPs with them (a dot product with every key, a multiple of every
-# value added): in bf16, G FLOPs a byte (4 for Qwen3-8B's 32/8 heads), where an H200 (~990 dense
-# bf16 TFLOP/s over ~4.8 TB/s) turns compute-bound only past ~200. The roofline is memory
-# bandwidth: a good kernel reads the cache once, at copy speed. Two things stand in the way.
-# - The heads. The flash kernel's shape, one program per query head, reads each kv head's cache
-#   G times. Here one program serves a kv head and all G query heads that read it: a tile of keys
-#   is loaded once and multiplied by the G queries at once (a (G, D) query block, padded to 16
-#   rows, the smallest tl.dot), which divides the bytes read by G. (The torch twin does worse: it
-#   copies each kv head G times before it multiplies.)
-# - The grid. One program per (row, kv head) is B * Hkv programs: 8 at batch 1 for 132 SMs, each
-#   streaming a cache of thousands of keys alone. So the keys are split into chunks
-#   (FlashDecoding, Dao et al. 2023): kernel 1 runs the online softmax of one chunk and writes
-#   its partial output, normalized, with its log-sum-exp; kernel 2 merges a head's partials with
-#   weights exp(lse_s - lse), lse the log-sum-exp over all splits. Splitting costs the partials:
-#   Hq * D fp32 numbers a split and row, written and read once, 2G / S of the cache's bytes
-#   (1/512 a split at G = 4 and 4,096 keys).
-# Lengths are ragged (each row up to its own position) and stay on the device: the grid is sized
-# from max_len, a bound the host knows, and a program whose chunk starts past its row's end
-# writes an empty partial (lse = -inf, weight 0). No host sync, so a CUDA graph can hold the
-# launch (its grid is fixed: a graph passes the cache's length as max_len).
+# NEW in stage 07. A decode step attends one new query a row over the row's whole cache. Per row
+# and kv head the cache holds 2 * S * D numbers, read once, and the G query heads that share them
+# do 4 * G * S * D FLOPs: in bf16, G FLOPs a byte (4 for Qwen3-8B), where an H200 turns
+# compute-bound only past ~200. The roofline is bandwidth: read the cache once, at copy speed.
+# - The heads. One program per query head (the flash kernel's shape) reads each kv head's cache G
+#   times. Here one program serves a kv head and its G query heads: each key tile is loaded once
+#   and multiplied by a (G, D) query block, padded to 16 rows (the smallest tl.dot).
+# - The grid. One program per (row, kv head) leaves most SMs idle at small batches while each
+#   program streams thousands of keys. So the keys are split into chunks (FlashDecoding, Dao et
+#   al. 2023): kernel 1 runs one chunk's online softmax and writes its normalized partial and
+#   log-sum-exp; kernel 2 merges a head's partials with weights exp(lse_s - lse). The partials
+#   cost 2G / S of the cache's bytes a split.
+# Ragged lengths stay on the device: the grid is sized from max_len, a host bound, and a chunk
+# past its row's end writes an empty partial (lse = -inf). No host sync, so a CUDA graph can hold
+# the launch (a graph passes the cache's length as max_len).
 
-# Tile of keys a step (BLOCK_N), warps and pipeline stages, autotuned per head size, chunk-length
-# bucket and dtype (not measured yet on the H200: the candidates are the usual ones for a
-# memory-bound loop; K and V tiles in flight take stages * 2 * BLOCK_N * D * 2 bytes of shared
-# memory, 96 KiB at 64 keys, 3 stages, D=128, bf16: two programs an SM).
+# Keys a step (BLOCK_N), warps and stages: the usual candidates for a memory-bound loop, autotuned
+# per head size, chunk bucket and dtype.
 _DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
                    for n, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2),
                                    (128, 8, 2))]
 if INTERPRET:
     _DECODE_CONFIGS = [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
 _DECODE_ALIGN = max(c.kwargs["BLOCK_N"] for c in _DECODE_CONFIGS)  # chunks are whole tiles
-# A shorter split's fixed costs (its query load, its partial) would show. 128 on the H200, batch
-# 1, 8 kv heads: over 272 keys 3 splits took 5.7 us against 7.1 for 2 (256 keys a split), over
-# 1,024 keys 8 took 5.9 against 7.4 for 4.
+# below this a split's fixed costs (its query load, its partial) show: at batch 1 over 272 keys
+# 3 splits took 5.7 us against 7.1 us for 2
 _MIN_SPLIT_KEYS = 128
 _MAX_SPLITS = 64  # the merge holds a head's partials in registers: (64, D) fp32
 
 
-# The key loop is shared with the paged kernels below: a key is found through a
-# contiguous row of the cache, or through the row's block table.
 @triton.jit
 def _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, lo, hi, last, qk_scale,
                  stride_kb, stride_kt, stride_vb, stride_vt, D: tl.constexpr,
                  PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax of the query rows q (M, D) over keys [lo, hi) of row b, BLOCK_N a step.
-    m_i, l_i (M,): running max (base 2) and sum; acc (M, D): the unnormalized output. K, V point
-    at this program's kv head. Key j is position j of row b of a (B, S) cache, or, PAGED, slot
-    j % PAGE of page BLOCK_TABLES[j // PAGE] of a (num_blocks, PAGE) pool (BLOCK_TABLES: row b's
-    block table; its entries past the row's keys are never read). MASKED: query row i sees the
-    keys <= last[i] only (last broadcasts against (1, BLOCK_N), a scalar or an (M, 1) column);
-    else every row sees every key of [lo, hi), which must then be whole tiles."""
+    """Online softmax of the query rows q (M, D) over keys [lo, hi) of row b, for the decode and
+    paged kernels. m_i, l_i (M,): running max (base 2) and sum; acc (M, D): the unnormalized
+    output. K, V point at this kv head. Key j is position j of row b of a (B, S) cache or, PAGED,
+    slot j % PAGE of page BLOCK_TABLES[j // PAGE] (row b's table). MASKED: row i sees keys <=
+    last[i] only (last: a scalar or an (M, 1) column); else [lo, hi) is whole tiles, all seen."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     for start in tl.range(lo, hi, BLOCK_N):
         keys = start + offs_n  # (BLOCK_N,)
         valid = keys < hi  # the ragged end of the range: never read past the row or its table
         if PAGED:
-            # a table entry per key (one per PAGE keys distinct, the rest from L1): each key
-            # row is D contiguous values anyway, so a gather of rows moves what a tile load does
+            # a table entry per key (the repeats hit L1); a key row is D contiguous values
             page = tl.load(BLOCK_TABLES + keys // PAGE, mask=valid, other=0).to(tl.int64)
             slot = keys % PAGE
         else:
@@ -1602,8 +1373,8 @@ def _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, lo, hi, last, qk_scale
         k = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         if _INTERPRET:
-            # Triton 3.6's interpreter multiplies bf16 tiles by their raw bits; fp32 tiles give
-            # the product the tensor cores compute (exact products, fp32 sums)
+            # the interpreter multiplies bf16 tiles by their raw bits; fp32 gives the tensor
+            # cores' product (exact products, fp32 sums)
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k.T, input_precision=DOT_PRECISION) * qk_scale  # (M, BLOCK_N)
@@ -1630,15 +1401,12 @@ def _decode_split_kernel(Q, K, V, BLOCK_TABLES, LENGTHS, OUT, O_PART, LSE_PART, 
                          DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """Kernel 1, one program per (row b, kv head, split s): keys [s * chunk, (s + 1) * chunk) of
-    row b, cut at the row's length, against the GROUP query heads of the kv head.
-    Q (B, Hq, D); K, V (B, Hkv, S, D), or with PAGED (the paged cache, chapter 25) pools viewed
-    as (num_blocks, Hkv, PAGE, D), row b's keys found through BLOCK_TABLES (B, max_blocks) int32
-    (row stride stride_tb; None unless PAGED); any strides, unit last stride. LENGTHS (B,): keys
-    of each row (clamped to max_len, so a wrong one never reads past the cache or the table).
-    qk_scale = sm_scale * log2(e). DIRECT (a single split): write the output itself to OUT
-    (B, Hq, D); else the normalized partial to O_PART (B, Hq, splits, D) and its log-sum-exp,
-    base 2, to LSE_PART (B, Hq, splits), both fp32. CHUNK_BUCKET: an autotune key only. PDL:
-    launched early, see _wait_for_inputs (chapter 19)."""
+    row b, cut at its length, against the GROUP query heads of the kv head. Q (B, Hq, D); K, V
+    (B, Hkv, S, D), or PAGED (chapter 25) pools viewed as (num_blocks, Hkv, PAGE, D) read through
+    BLOCK_TABLES (B, max_blocks) int32 (else None); unit last strides. LENGTHS (B,), clamped to
+    max_len so a wrong one reads nothing past the cache. qk_scale = sm_scale * log2(e). DIRECT (one
+    split): the output to OUT (B, Hq, D); else the partial to O_PART (B, Hq, splits, D) and its
+    base-2 log-sum-exp to LSE_PART (B, Hq, splits), fp32. PDL: see _wait_for_inputs."""
     _wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -1696,30 +1464,26 @@ def _decode_merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, Hq, SPLITS
 
 
 def decode_splits(batch, kv_heads, max_len, n_sms):
-    """The split rule: how many chunks each row's keys are cut into. Unsplit, the grid is
-    batch * kv_heads programs; split until it holds about four programs an SM (several run at
-    once on an SM, their loads in flight together, and the rest even out the last wave), but
-    keep at least _MIN_SPLIT_KEYS keys a split and at most _MAX_SPLITS splits. At batch 64 and
-    Hkv = 8 on an H200's 132 SMs that is 2 splits; at batch 1, 32 splits of a 4,096-key cache."""
+    """How many chunks each row's keys are cut into: enough for about four programs an SM
+    (their loads in flight together, the extra ones evening out the last wave), with at least
+    _MIN_SPLIT_KEYS keys a split and at most _MAX_SPLITS splits."""
     wanted = triton.cdiv(4 * n_sms, batch * kv_heads)
     return max(1, min(wanted, triton.cdiv(max_len, _MIN_SPLIT_KEYS), _MAX_SPLITS))
 
 
 def decode_attention(q, k_cache, v_cache, lengths, max_len=None, sm_scale=None, num_splits=None):
     """Attention of one new query a row over a KV cache: q (B, Hq, D), k_cache and v_cache
-    (B, Hkv, S, D) (views of KVCache's tensors do: any strides, unit last stride), lengths (B,)
-    int32 or int64 on q's device: row b attends to its keys 0..lengths[b]-1 -> (B, Hq, D).
-    max_len: a bound on lengths known on the host (default S; the engine passes its kv_len);
-    lengths stay on the device, unchecked, clamped to max_len. Query head h reads kv head
-    h // (Hq // Hkv); sm_scale defaults to 1/sqrt(D). num_splits forces the split count (the
-    tests run every path with it); by default decode_splits picks it."""
+    (B, Hkv, S, D) (any strides, unit last stride), lengths (B,) int32 or int64 on q's device:
+    row b attends to keys 0..lengths[b]-1 -> (B, Hq, D). max_len: a host bound on lengths
+    (default S); lengths stay on the device, clamped to it. sm_scale defaults to 1/sqrt(D).
+    num_splits forces the split count (for tests); by default decode_splits picks it."""
     max_len = _check_decode_inputs(q, k_cache, v_cache, lengths, max_len, sm_scale, num_splits)
     return _split_decode(q, k_cache, v_cache, None, lengths, max_len, sm_scale, num_splits)
 
 
 def _split_decode(q, k, v, block_tables, lengths, max_len, sm_scale, num_splits):
-    """The launches of decode_attention and, with block_tables, paged_decode_attention (k, v then
-    the pools viewed as (num_blocks, Hkv, block_size, D)). Inputs checked; -> (B, Hq, D)."""
+    """The launches of decode_attention and, with block_tables, paged_decode_attention (k, v the
+    pools viewed as (num_blocks, Hkv, block_size, D)), on checked inputs -> (B, Hq, D)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     splits = num_splits or decode_splits(B, Hkv, max_len, _num_sms(q.device))
@@ -1804,36 +1568,27 @@ def _check_splits(fn, max_len, most, most_name, num_splits):
 # ------------------------------------------------------------------------------------------------
 # 17.4 continued: paged attention (chapter 25)
 # ------------------------------------------------------------------------------------------------
-# KVCache (chapter 18) gives every row max_len slots up front: a row that ends
-# early, or never gets long, holds memory no other row can use, and rows of a batch cannot share
-# a prompt's keys. A paged cache (vLLM's PagedAttention, Kwon et al. 2023) cuts the cache into
-# pages of block_size slots, a pool per layer, k_cache and v_cache (num_blocks, block_size, Hkv,
-# D), handed out a page at a time as a sequence grows; a sequence's block table lists its pages
-# in order, so key j of row b lives at slot j % block_size of page block_tables[b, j //
-# block_size]. What the kernels pay for it: one 4-byte table entry per key, beside the 2 * D
-# bytes (bf16) that key row weighs per kv head, and loads gathered row by row instead of tiles
-# of consecutive rows; but each key row is D contiguous values, 256 bytes at D=128, so the
-# gather still moves whole 128-byte lines, and at copy speed the roofline is unchanged.
-# - Decode: the flash-decoding kernel above, with PAGED on: the same grid, splits and merge, its
-#   key loop (_attend_keys) looking each tile's keys up in the row's block table.
+# NEW in stage 07. KVCache (chapter 16) reserves max_len slots a row up front: a short row holds
+# memory no other can use, and rows cannot share a prompt's keys. A paged cache (vLLM's
+# PagedAttention, Kwon et al. 2023) cuts each layer's pools, k_cache and v_cache (num_blocks,
+# block_size, Hkv, D), into pages handed out as a sequence grows. A sequence's block table lists
+# its pages in order: key j of row b is slot j % block_size of page block_tables[b, j //
+# block_size]. The kernels pay a 4-byte table entry per key and gather key rows instead of
+# loading tiles, but a key row is D contiguous values (whole cache lines), so the roofline holds.
+# - Decode: the flash-decoding kernels above with PAGED on, looking each key up in the table.
 # - Prefill and extend: the new tokens of several sequences packed in one (N, Hq, D) tensor
-#   (cu_seqlens_q marks where each starts), their keys already written to the pool, each query
-#   seeing its sequence's keys up to its own position (causal, bottom-right: a chunk of 64 new
-#   tokens over a 1,000-key sequence sees the 936 before it too). Stage 06's kernel shape, one
-#   program per tile of queries, with the GQA trick of the decode kernel: a tile holds
-#   BLOCK_M // BLOCK_H tokens times the G query heads of one kv head (BLOCK_H = G rounded up to a
-#   power of two), so each K/V tile is loaded once for the G heads. Its keys fall in two loops:
-#   keys every row of the tile sees, unmasked, then the diagonal, masked.
-# Ragged lengths stay on the device in both (no host sync): the grids are sized from what the
-# host knows (max_len; the packed tokens and the number of sequences), and a program past its
-# row's end exits or writes an empty partial. paged_attention_torch is the plain version, for
-# the CPU engine and the tests.
+#   (cu_seqlens_q marks where each starts), their keys already in the pool, each query seeing its
+#   sequence's keys up to its own position (bottom-right causal). Stage 06's shape, a program per
+#   tile of queries, with the decode kernel's GQA trick: a tile holds BLOCK_M // BLOCK_H tokens
+#   times the G query heads of one kv head (BLOCK_H = G rounded up to a power of two), so each
+#   K/V tile is loaded once for the G heads; unmasked keys first, then the diagonal, masked.
+# Their grids come from what the host knows (max_len; the packed tokens and the number of
+# sequences); ragged lengths stay on the device.
+# paged_attention_torch is the plain version, for the CPU engine and the tests.
 
-# Tiles of the prefill kernel: BLOCK_M query rows (tokens x heads of a group), BLOCK_N keys a
-# step, 2 stages (the loads are gathers, not TMA copies). Each candidate was compiled for sm_90a
-# (ptxas, no GPU) and kept if it spills no registers: the gathered tiles' addresses take many,
-# so the tiles are smaller than stage 06's (at D=128, 64 x 64 with 8 warps spills 504 bytes).
-# Their speeds are not measured on the H200 yet.
+# The prefill's tiles: BLOCK_M rows (tokens x heads of a group), 2 stages (the loads are gathers,
+# not TMA copies); smaller than stage 06's, as the gathers' addresses take registers: each one
+# kept spills none (compiled for sm_90a).
 _PAGED_PREFILL_CONFIGS = (
     [_config(m, n, w, 2, (32, 64)) for m, n, w in ((16, 32, 4), (32, 32, 4), (64, 32, 8),
                                                    (64, 64, 8), (128, 32, 8))]
@@ -1847,9 +1602,8 @@ if INTERPRET:
 
 
 def _prune_paged_prefill_configs(configs, named_args, **kwargs):
-    """The configurations made for this head size that hold at least one token (BLOCK_M >=
-    BLOCK_H); a group wider than every tile gets tiles of one token. float32 inputs, there for
-    checking, get one configuration untuned (as _prune_configs)."""
+    """The configurations for this head size that hold a token (BLOCK_M >= BLOCK_H), else one of
+    one token; float32 inputs get one untuned (as _prune_configs)."""
     kept = [c for c in configs
             if kwargs["D"] in c.head_dims and c.kwargs["BLOCK_M"] >= kwargs["BLOCK_H"]]
     if not kept:
@@ -1868,21 +1622,17 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
                           Q_BUCKET, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                           PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (tile of new tokens of some sequence b, kv head): BLOCK_M // BLOCK_H
-    tokens of b, each with the GROUP query heads of the kv head (row r of the tile: token
-    r // BLOCK_H, head r % BLOCK_H; heads past GROUP are padding). The grid's first axis is
-    cdiv(N, BLOCK_Q) + B tiles, found from the packed tokens, not from the longest sequence:
-    sequence b owns tiles CU_SEQLENS_Q[b] // BLOCK_Q + b on (enough for its tokens, with room
-    for the one its start cuts), so a program finds its sequence by a binary search over those
+    """One program per (tile of new tokens of some sequence b, kv head): row r of the tile is
+    token r // BLOCK_H with query head r % BLOCK_H of the kv head's group (past GROUP: padding).
+    The grid's first axis is cdiv(N, BLOCK_Q) + B tiles, from the packed tokens, not from the
+    longest sequence: sequence b owns tiles CU_SEQLENS_Q[b] // BLOCK_Q + b on (room for its
+    tokens and the tile its start cuts), so a program finds b by a binary search over those
     starts, and the grid depends on N and B only, as a CUDA graph needs.
-    Q, OUT (N, Hq, D): the sequences' new tokens, sequence b's at rows CU_SEQLENS_Q[b] ..
-    CU_SEQLENS_Q[b + 1] - 1 (clamped to N; rows past the last are padding, left unwritten).
-    K, V: pools viewed as (num_blocks, Hkv, PAGE, D), found through BLOCK_TABLES (B,
-    max_blocks) int32, row stride stride_tb. LENGTHS (B,): keys
-    of each sequence, its new ones included (clamped to max_keys = max_blocks * PAGE, so a wrong
-    one never reads past the table): new token t of q_len sits at position
-    LENGTHS[b] - q_len + t and sees keys 0 through that position. Any strides, unit last
-    stride. qk_scale = sm_scale * log2(e). Q_BUCKET: an autotune key only."""
+    Q, OUT (N, Hq, D): sequence b's new tokens at rows CU_SEQLENS_Q[b] .. CU_SEQLENS_Q[b + 1] - 1.
+    K, V: pools viewed as (num_blocks, Hkv, PAGE, D), read through BLOCK_TABLES (B, max_blocks)
+    int32. LENGTHS (B,): keys of each sequence, new ones included (clamped to max_keys = max_blocks
+    * PAGE): new token t sits at position LENGTHS[b] - q_len + t and sees keys up to it. Unit
+    last strides. qk_scale = sm_scale * log2(e). Q_BUCKET: an autotune key only."""
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_H  # tokens a tile
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later tokens see more keys: start first
     kvh = tl.program_id(1).to(tl.int64)
@@ -1896,8 +1646,8 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
             hi = mid
     b = lo.to(tl.int64)
     q_start = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
-    tile = pid - (q_start // BLOCK_Q + b)
     q_len = tl.minimum(tl.load(CU_SEQLENS_Q + b + 1).to(tl.int64), N) - q_start
+    tile = pid - (q_start // BLOCK_Q + b)
     if tile * BLOCK_Q >= q_len:  # a tile past b's tokens (each sequence has room for one)
         return
     length = tl.minimum(tl.load(LENGTHS + b), max_keys)
@@ -1915,8 +1665,7 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # keys [0, full) are visible to every row (whole tiles); [full, hi) hold the diagonal; no
-    # row sees a key from hi on
+    # keys [0, full): seen by every row (whole tiles); [full, hi): the diagonal; none past hi
     full = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(first + BLOCK_Q, length)
     K += kvh * stride_kh
@@ -1936,12 +1685,10 @@ def _paged_prefill_kernel(Q, K, V, BLOCK_TABLES, CU_SEQLENS_Q, LENGTHS, OUT, qk_
 def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, max_len=None,
                            sm_scale=None, num_splits=None):
     """decode_attention over a paged cache: q (B, Hq, D); k_cache, v_cache (num_blocks,
-    block_size, Hkv, D) pools, block_size a power of two; block_tables (B, max_blocks) int32:
-    key j of row b at k_cache[block_tables[b, j // block_size], j % block_size]; entries past a
-    row's last page are never read; lengths (B,) int32 or int64: row b attends to its keys
-    0..lengths[b]-1 -> (B, Hq, D). All on one device; any strides, unit last stride. max_len: a
-    bound on lengths known on the host (default max_blocks * block_size); lengths stay on the
-    device, clamped to max_len. sm_scale and num_splits as decode_attention's."""
+    block_size, Hkv, D), block_size a power of two; block_tables (B, max_blocks) int32 (entries
+    past a row's last page are never read); lengths (B,) int32 or int64 -> (B, Hq, D). One
+    device, unit last strides. max_len defaults to max_blocks * block_size; max_len, sm_scale and
+    num_splits as decode_attention's."""
     fn = "paged_decode_attention"
     _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale)
     (B, max_blocks), page = block_tables.shape, k_cache.shape[1]
@@ -1958,11 +1705,10 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, len
     """Causal attention of the new tokens of B sequences over a paged cache that already holds
     their keys and values: q (N, Hq, D), sequence b's q_len_b tokens at rows cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1] - 1 (cu_seqlens_q (B + 1,) int32, from 0); lengths (B,) int32 or int64,
-    keys of each sequence with its new ones, so new token t sits at position lengths[b] - q_len_b
-    + t and attends to keys 0 through it (bottom-right aligned; q_len_b = 1 is a decode).
-    k_cache, v_cache, block_tables as paged_decode_attention's; max_q_len: a host bound on the
-    q_len_b (which picks the tuned tiles). sm_scale defaults to 1/sqrt(D). -> (N, Hq, D) in q's
-    dtype; rows no sequence claims are left unwritten."""
+    keys of each sequence with its new ones: new token t at position lengths[b] - q_len_b + t
+    sees keys 0 through it. k_cache, v_cache, block_tables as paged_decode_attention's;
+    max_q_len: a host bound on the q_len_b (it picks the tuned tiles). -> (N, Hq, D); rows no
+    sequence claims unwritten."""
     fn = "paged_prefill_attention"
     _check_paged_inputs(fn, q, k_cache, v_cache, block_tables, lengths, sm_scale)
     B, N = block_tables.shape[0], q.shape[0]
@@ -2049,7 +1795,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, lengt
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
-        C, Hq, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        C, Hq, Hkv, D = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                         cfg.head_dim)
         self.q_proj = nn.Linear(C, Hq * D, bias=False)
         self.k_proj = nn.Linear(C, Hkv * D, bias=False)
         self.v_proj = nn.Linear(C, Hkv * D, bias=False)
@@ -2065,9 +1812,10 @@ class Attention(nn.Module):
         Qwen3.hidden_states."""
         B, T, _ = x.shape
         cos, sin, positions = rope
-        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        # q (B, Hq, T, D); k, v (B, Hkv, T, D)
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, k, v, positions)
@@ -2170,7 +1918,8 @@ class Qwen3(nn.Module):
 
 
 def _check_ids(ids, vocab_size):
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+    if (not isinstance(ids, torch.Tensor) or ids.dim() != 2
+            or ids.dtype not in (torch.int64, torch.int32)):
         raise ValueError(f"input_ids must be a (B, T) tensor of int64 or int32 token ids, got "
                          f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__} "
                          f"{tuple(getattr(ids, 'shape', ()))}")
@@ -2178,24 +1927,20 @@ def _check_ids(ids, vocab_size):
     if ids.numel() and not capturing:
         low, high = (int(x) for x in torch.aminmax(ids))
         if low < 0 or high >= vocab_size:
-            raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {low} to {high}")
+            raise ValueError(f"token ids must be in [0, {vocab_size}), got ids from {low} to "
+                             f"{high}")
 
 
 # ----------------------------------------------------------------------------------------------
-# Chapter 18. The KV cache
+# Chapter 16. The KV cache
 # ----------------------------------------------------------------------------------------------
-# Without a cache, token n of a generation recomputes the keys and values of all n - 1 tokens
-# before it: O(n^2) work for n tokens. They never change (a causal model's token t depends on
-# tokens <= t only), so compute each once and keep it: a decode step then runs the model on one
-# token a row and reads the rest from the cache. Per token the cache holds 2 * L * Hkv * D values:
-# 112 KiB for Qwen3-0.6B in bf16 (28 x 8 x 128 x 2 x 2 bytes), 144 KiB for Qwen3-8B; grouped-query
-# attention is what keeps that small (Hkv = 8 kv heads where Hq = 16 or 32 query heads).
-#
-# Preallocated: the engine knows before the first token how long each sequence may get (prompt +
-# max_tokens), so the cache is allocated once, for the whole batch, and each step writes into it.
-# (transformers' default cache concatenates one more token per step instead: a new allocation
-# and a copy of the whole cache, every step, every layer.) This cache serves the model's own path;
-# the engine keeps its keys and values in a paged cache (chapter 25) that many sequences share.
+# Without a cache, token n recomputes the keys and values of the n - 1 tokens before it: O(n^2)
+# work for n tokens. They never change (a causal model's token t depends on tokens <= t only),
+# so each is computed once and kept, and a decode step runs the model on one token a row. A token
+# takes 2 * L * Hkv * D values (112 KiB in Qwen3-0.6B, bf16), kept small by grouped-query
+# attention's few kv heads. The cache is allocated once, for the batch's longest sequence, and
+# each step writes into it (transformers' default cache grows by a concatenation every step).
+# This is the model's own cache; the engine's is paged (chapter 25).
 
 class KVCache:
     """Keys and values of every layer for `rows` sequences of up to `length` positions:
@@ -2224,60 +1969,147 @@ class KVCache:
         self.v[layer][rows, :, positions] = v.transpose(1, 2)
 
     def read(self, layer, batch, kv_len):
-        """Views, no copy: the first kv_len positions of rows 0..batch-1, (batch, Hkv, kv_len, D)."""
+        """Views, no copy: the first kv_len positions of rows 0..batch-1,
+        (batch, Hkv, kv_len, D)."""
         return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 18. Engine v1: prefill, then decode over the cache
+# ----------------------------------------------------------------------------------------------
+# The simplest engine serves one static batch. The prompts, padded on the right to one length,
+# are prefilled in one forward pass that writes every token's keys and values into a KVCache (a
+# row's padding is overwritten by its own later tokens); then each decode step runs one token a
+# row, at the row's own position. Tokens are sampled on the device (the Sampler, chapter 34) and
+# read back once at the end, so no step waits for the host: a row that meets an eos runs on until
+# every row has (checked every EOS_CHECK_STEPS steps). That waste, and a new request's wait for
+# the batch to end, are what continuous batching removes (chapter 24). On a GPU the decode step
+# is replayed from a CUDA graph: one launch instead of a few hundred from Python. A graph replays
+# fixed shapes, so its attention reads the whole cache, each row masked past its own position.
+
+EOS_CHECK_STEPS = 16
+
+
+def cuda_graph(fn, *args, pool=None):
+    """fn(*args), tensors in and out, captured in a CUDA graph. Returns replay(*args), which
+    copies its arguments into the graph's own input buffers, replays the graph (replay.graph)
+    and returns its output (overwritten by the next replay). A run on the first arguments
+    before the capture compiles and autotunes the kernels, which a capture may not do: whatever
+    it writes, the first replay writes again. pool: a memory pool shared with other graphs."""
+    inputs, device = [x.clone() for x in args], args[0].device
+    side = torch.cuda.Stream(device)  # the run before the capture goes off the main stream
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn(*inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn(*inputs)
+
+    def replay(*xs):
+        for buffer, x in zip(inputs, xs):
+            buffer.copy_(x)
+        graph.replay()
+        return output
+    replay.graph = graph
+    return replay
+
+
+@torch.inference_mode()
+def generate(model, prompts, params=None, eos_token_ids=(), cuda_graph_decode=True):
+    """Engine v1: the ids generated for each prompt (a list of token ids), the eos or stop id
+    that ended it included, sampled as `params` asks (default: greedy, 16 tokens), each row with
+    its own random stream when seeded. A row ends at one of eos_token_ids (unless ignore_eos) or
+    params.stop_token_ids, or after max_tokens (None: up to the model's context). Structured
+    output and logprobs are the engine's (LLM.generate). cuda_graph_decode: on a GPU, replay the
+    decode steps from a CUDA graph."""
+    params = SamplingParams(temperature=0) if params is None else params
+    cfg, device = model.cfg, _device_of(model)
+    _check_v1_request(prompts, params, cfg)
+    lengths = [len(p) for p in prompts]
+    max_tokens = params.max_tokens or cfg.max_position_embeddings - max(lengths)
+    B, T = len(prompts), max(lengths)
+    cache = KVCache(cfg, B, T + max_tokens, device, model.model.embed_tokens.weight.dtype)
+    ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)  # (B, T)
+    h = model.hidden_states(ids, cache=cache)  # the prefill: (B, T, C)
+    rows, last = torch.arange(B, device=device), torch.tensor(lengths, device=device) - 1
+    logits = model.logits(h[rows, last])  # (B, V): each row's next token after its prompt
+
+    def decode(tokens, positions):  # (B,) each -> logits (B, V): one token a row
+        h = model.hidden_states(tokens[:, None], positions[:, None], cache, kv_len=cache.length)
+        return model.logits(h[:, 0])
+
+    sampler, batch = Sampler(), SamplingBatch([params] * B, prompts, cfg.vocab_size, device)
+    stop = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+    stop = torch.tensor(stop, dtype=torch.int64, device=device)
+    out = torch.empty(B, max_tokens, dtype=torch.int64, device=device)
+    ended = torch.zeros(B, dtype=torch.bool, device=device)
+    for i in range(max_tokens):
+        tokens = sampler(logits, batch)[0]  # (B,)
+        out[:, i] = tokens
+        ended |= torch.isin(tokens, stop)
+        if i + 1 == max_tokens or (i + 1) % EOS_CHECK_STEPS == 0 and bool(ended.all()):
+            break
+        if i == 0 and device.type == "cuda" and cuda_graph_decode:
+            decode = cuda_graph(decode, tokens, last + 1)
+        logits = decode(tokens, last + 1 + i)
+    generated, stop = [], set(stop.tolist())
+    for row in out[:, :i + 1].tolist():  # the one read back
+        end = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+        generated.append(row[:end])
+    return generated
+
+
+def _check_v1_request(prompts, params, cfg):
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+    if any(getattr(params, name) is not None for name in (*STRUCTURED_FIELDS, "logprobs")):
+        raise ValueError("engine v1 samples plain tokens: structured output and logprobs are "
+                         "the engine's (LLM.generate)")
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(
+            isinstance(p, (list, tuple)) and p and all(_is_int(t) and 0 <= t < cfg.vocab_size
+                                                       for t in p) for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of non-empty lists of token ids in "
+                         f"[0, {cfg.vocab_size})")
+    longest, limit = max(map(len, prompts)), cfg.max_position_embeddings
+    if longest + (params.max_tokens or 1) > limit:
+        raise ValueError(f"a prompt of {longest} tokens + max_tokens {params.max_tokens} is "
+                         f"beyond the model's context, {limit} positions")
 
 
 # ----------------------------------------------------------------------------------------------
 # Chapter 19. Fast decode: fewer kernels, replayed from a CUDA graph
 # ----------------------------------------------------------------------------------------------
-# A decode step at batch 1 has little to do: Qwen3-0.6B reads its 1.2 GB of
-# weights once, under 0.3 ms at an H200's copy bandwidth. The model's own path puts 851 kernels
-# and copies on the GPU for one step (three projections, two q/k norms, RoPE's cat, multiplies
-# and adds, two cache writes, the residual adds... in each of 28 layers), each launched from
-# Python for more host time than the GPU needs to run it. Three changes close much of the gap:
-# - Fewer kernels: q, k and v projected by one matmul over their concatenated weights
-#   (fuse_projections), gate and up by another; the q/k norms, RoPE and the cache write of k and
-#   v in one kernel (qk_norm_rope). At batch 1 the projections (those of up to 3,072 columns:
-#   all of Qwen3-0.6B's, _on_matvec) run on a matrix-vector kernel (matvec) that also does the
-#   residual add and RMSNorm before it, or the SwiGLU; the others are cuBLAS's matmuls, with the
-#   add and norm (add_rms_norm) and SwiGLU (swiglu_halves) as kernels of their own.
-#   forward_packed is the whole step on them, for the tokens of many sequences at once (a
-#   decode step is one token a sequence; chapter 24 packs prompts in too): for Qwen3-0.6B 171
-#   GPU ops at batch 1, 285 at batch 16 (over a short cache, one attention split; a longer one
-#   adds a merge kernel a layer). It equals the model's path up to rounding: each kernel
-#   computes in fp32 and rounds once, where torch rounds after every op.
-# - No Python between kernels: the step is captured once per batch-size bucket in a CUDA graph
-#   (StepGraphs), whose replay launches all of it with one call. A graph replays fixed
-#   addresses and shapes: the ids, positions, slots and block tables are copied into its input
-#   buffers, the paged cache is the same tensors throughout, a batch is padded up to its bucket,
-#   and attention is bounded by the longest sequence allowed, each row's own length staying on
-#   the device.
-# - No idle gap between kernels: matvec, qk_norm_rope and decode attention start while the
-#   kernel before them ends (programmatic dependent launch, below). The 0.6B step's graph at
-#   batch 1, in one run: 755 us with it, 877 without.
-# What is left is the host: the graph's launch, the sampler and the token's trip to the host,
-# during which the GPU would wait. With async_scheduling (LLMEngine.step) step n + 1 is
-# launched, fed with step n's tokens on the device, before those tokens are read back, so the
-# host's work overlaps the GPU's (Qwen3-0.6B at batch 1: a step of 784 us, 1,124 without).
-# NEW in stage 08: a server's steps. Requests arrive while others decode, so many steps carry a
-# prompt beside the decodes, and run eagerly they are host-bound: on the H200, Qwen3-0.6B's step
-# of 63 decodes and a 512-token prompt took 12-24 ms of Python launches for a few ms of GPU work,
-# and every stream waited for it. So StepGraphs captures those steps too, one graph per tokens
-# bucket over max_num_seqs sequences, stopping before the output layer (which runs on the rows
-# that sample): 1.4 ms of host time and 5.8 ms in all for that step, and 19 graphs cover 8,192
-# tokens, captured before a server is ready (LLM.capture_graphs).
+# NEW in stage 07. A decode step at batch 1 reads each weight once (Qwen3-0.6B: 1.2 GB, a
+# quarter of a millisecond at copy bandwidth), but the model's own path launches 851 kernels from
+# Python to do it, each costing the host more than the GPU. Three changes close much of the gap:
+# - Fewer kernels. q, k and v are projected by one matmul over their concatenated weights
+#   (fuse_projections), gate and up by another; the q/k norms, RoPE and the cache write are one
+#   kernel (qk_norm_rope); at batch 1 the projections run on a matrix-vector kernel (matvec)
+#   that takes in the residual add and RMSNorm, or the SwiGLU, in front of it. forward_packed is
+#   the step on them, over the tokens of many sequences packed side by side (chapter 24 packs
+#   prompts in too): 171 GPU ops at batch 1. Each kernel computes in fp32 and rounds once, so the
+#   step equals the model's path up to rounding.
+# - No Python between kernels: the step is captured in a CUDA graph per batch-size bucket
+#   (StepGraphs) and replayed with one call, the batch padded to its bucket and attention
+#   bounded by the longest sequence allowed.
+# - No gap between kernels: the stage's kernels launch while the one before them ends
+#   (programmatic dependent launch, below).
+# What is left is the host's work between steps, which async scheduling overlaps (LLMEngine).
+#
+# NEW in stage 08: a server's steps. Requests arrive while others decode, so many steps carry
+# a prompt beside the decodes, and run eagerly such a step spends more time launching its
+# kernels from Python than the GPU spends running them. So StepGraphs captures those steps
+# too, a graph per tokens bucket, stopping before the output layer (run on the rows that
+# sample), every one captured before a server is ready (LLM.capture_graphs).
 
-# Programmatic dependent launch (PDL, Hopper on). Even inside a graph, a kernel starts only after
-# the previous one has ended: its programs are scheduled, its first loads go out and come back,
-# while the GPU waits, a few us a kernel, many times over in a step of 171 kernels. Launched with
-# launch_pdl, the fast step's own kernels (matvec, qk_norm_rope, decode attention; the others
-# are torch's and cuBLAS's) start while the previous one runs: each calls _wait_for_inputs
-# before it reads anything an earlier kernel writes (and before it writes), and the
-# matrix-vector kernel loads its first weight tile before that call, so the weights are on
-# their way while the previous kernel finishes. A kernel that waits also waited for the ones
-# before it, so every launched-early kernel must wait, in every program, even if it reads no
-# earlier output.
+# Programmatic dependent launch (PDL, Hopper on). Even inside a graph a kernel starts only after
+# the previous one has ended, and its first loads then take their time while the GPU waits.
+# Launched with launch_pdl, the stage's kernels start early: each calls _wait_for_inputs before
+# it reads (or writes) anything an earlier kernel touches, and matvec loads its first weight
+# tile before that, so the weights are on their way while the previous kernel finishes. A
+# kernel that waited also waited for those before it, so every early kernel must wait, in every
+# program, even one that reads no earlier output.
 @functools.lru_cache(maxsize=None)
 def _pdl(device):
     """Whether kernels on `device` launch early (programmatic dependent launch): sm_90 and up."""
@@ -2293,25 +2125,6 @@ def _wait_for_inputs(PDL: tl.constexpr):
         gdc_wait()
 
 
-@triton.jit
-def _add_rms_norm_kernel(X, R, W, Y, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ADD: tl.constexpr):
-    # One program a row. ADD: x += r first, rounded to x's dtype as torch's add rounds it and
-    # written back (x is the residual stream); then y = x * rstd * w, in fp32, rounded once.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * N + cols, mask=mask, other=0.0)
-    if ADD:
-        r = tl.load(R + row * N + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(X + row * N + cols, x, mask=mask)
-    x = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
-
-
 def add_rms_norm(x, residual, weight, eps):
     """x += residual (in place; residual None: nothing added), then RMSNorm(x) * weight -> a new
     tensor. x, residual (rows, N) contiguous, weight (N,)."""
@@ -2320,26 +2133,18 @@ def add_rms_norm(x, residual, weight, eps):
         _check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
-    n_rows, n = x.view(-1, x.shape[-1]).shape
-    y = torch.empty_like(x)
-    block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(n_rows,)](x, residual, weight, y, eps, N=n, BLOCK_N=block,
-                                    ADD=residual is not None, num_warps=min(16, max(1, block // 256)))
-    return y
+    return _launch_rms_norm(x, residual, weight, eps)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(QKV, POS, SLOTS, INV_FREQ, QW, KW, Q, K, V, eps, stride_ks, stride_kh,
                          Hq: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr,
                          BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    # One program per token n, all its heads at once (H = Hq + 2 Hkv, padded to BLOCK_H rows):
-    # heads 0..Hq-1 of a QKV row are query heads, written to Q (N, Hq, D); the next Hkv key
-    # heads and the last Hkv value heads go into the layer's paged cache K, V (slots, Hkv, D) at
-    # the token's slot SLOTS[n]. Queries and keys are normalized with their weight and rotated
-    # (RoPE, rotate-half: value i pairs with value i + D/2) at position POS[n]; values are copied
-    # as they are. The token's cos and sin are computed once for all its heads: a program per
-    # (token, head) computed them H times, and took 20 us a layer for a 512-token prompt on
-    # the H200, against a few us for this one.
+    # One program per token n, all its heads at once (H = Hq + 2 Hkv, padded to BLOCK_H rows),
+    # so that its cos and sin are computed once, not once a head. Query heads go to Q (N, Hq, D);
+    # key and value heads into the layer's paged cache K, V (slots, Hkv, D) at slot SLOTS[n].
+    # Queries and keys are normalized and rotated (rotate-half: value i pairs with i + D/2) at
+    # position POS[n]; values pass through.
     _wait_for_inputs(PDL)
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
@@ -2438,22 +2243,15 @@ def swiglu_halves(gate_up):
     return y
 
 
-# Matrix-vector products. At batch 1 every projection multiplies one row by a weight matrix:
-# each weight value is read once for two FLOPs, so only bandwidth counts, and Qwen3-0.6B's are
-# small (4-13 MB). cuBLAS's kernels for one row leave most of the bandwidth unused, so these
-# products run on _matvec_kernel: each program takes BLOCK_N weight rows, streams them in
-# BLOCK_K-wide tiles, multiplies on the CUDA cores (one row is too little for the tensor cores)
-# into a (BLOCK_N, BLOCK_K) fp32 accumulator and sums it once at the end; many small programs
-# keep the loads in flight. On the H200, replayed back to back: o_proj 2.8 us against cuBLAS's
-# 12.8; down_proj with its SwiGLU 3.0 against 7.9 for swiglu_halves and cuBLAS. The kernel
-# also takes in the elementwise work before the product:
-# - NORM: RMSNorm of x (after ADD: x + residual, the residual stream, which program 0 writes
-#   out), each program recomputing the row's sum of squares: one row is a few KB, read from L2;
-# - SWIGLU: x holds gate | up, and the product reads silu(gate) * up.
-# Each rounds where add_rms_norm and swiglu_halves round, so the fused step computes what the
-# unfused one does, up to the order of the fp32 sums. One row only: a version over 2 or 4 rows
-# lost to cuBLAS on half the shapes (4 rows of gate_up: 12.9 us against 6.2), so batches of 2
-# and more stay on cuBLAS.
+# Matrix-vector products. At batch 1 a projection reads each weight once for two FLOPs: only
+# bandwidth counts, and cuBLAS's kernels for one row leave much of it unused (o_proj 12.8 us on
+# cuBLAS, 2.8 here). Each program streams BLOCK_N weight rows in BLOCK_K-wide tiles through the
+# CUDA cores (one row is too little for the tensor cores) into an fp32 accumulator, summed once
+# at the end; many small programs keep loads in flight. The kernel also takes in the work before
+# the product: NORM, RMSNorm of x (after ADD, x + residual, which program 0 writes back as the
+# residual stream; every program recomputes the row's norm from L2), or SWIGLU, silu(gate) * up
+# of x = gate | up. Each rounds where add_rms_norm and swiglu_halves round. Batches of 2 and
+# more stay on cuBLAS, where a many-row version lost.
 _MATVEC_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 8),
                                    (16, 512, 4), (16, 512, 8))]
@@ -2565,23 +2363,22 @@ def fuse_projections(model):
         attn, mlp = block.self_attn, block.mlp
         if attn.qkv_weight is None or attn.q_proj.weight.data_ptr() != attn.qkv_weight.data_ptr():
             attn.qkv_weight = _concatenate(attn.q_proj, attn.k_proj, attn.v_proj)
-        if mlp.gate_up_weight is None or mlp.gate_proj.weight.data_ptr() != mlp.gate_up_weight.data_ptr():
+        gate_up = mlp.gate_up_weight
+        if gate_up is None or mlp.gate_proj.weight.data_ptr() != gate_up.data_ptr():
             mlp.gate_up_weight = _concatenate(mlp.gate_proj, mlp.up_proj)
     return model
 
 
 def _on_matvec(x, weight):
-    """Whether x @ weight^T runs on matvec: a single row, up to 3,072 columns. Measured on the
-    H200 at batch 1: Qwen3-0.6B's step (1,024-3,072 columns) took 784 us on matvec, 856 with
-    its output layer on cuBLAS; Qwen3-8B's (4,096 and 12,288) 5.26 ms on matvec, 4.77 on cuBLAS,
-    whose kernels stream long rows better (down_proj cold: 62.6 us against 39.6)."""
+    """Whether x @ weight^T runs on matvec: a single row of up to 3,072 columns (all of
+    Qwen3-0.6B's). cuBLAS streams longer rows better: Qwen3-8B's step was faster on it."""
     return x.shape[0] == 1 and weight.shape[1] <= 3072
 
 
 def norm_linear(x, residual, norm, weight):
     """norm(x + residual) @ weight^T and x + residual, the new residual stream (residual None:
-    x itself); norm: an RMSNorm. On the kernels: one matvec launch where _on_matvec says so (a
-    single row, up to 3,072 columns), else add_rms_norm (which adds in place) and cuBLAS."""
+    x itself); norm: an RMSNorm. On the kernels: one matvec where _on_matvec says so, else
+    add_rms_norm (which adds in place) and cuBLAS."""
     if not norm.kernels:  # the torch twin
         x = x if residual is None else x + residual
         return F.linear(norm(x), weight), x
@@ -2618,12 +2415,10 @@ class AttentionMetadata:
     sample_rows: torch.Tensor  # (S,) int64: the rows whose logits the step needs
 
 
-# Attention backends (chapter 32): one small interface, attention(q, k_cache, v_cache, meta) ->
-# (N, Hq, D) for the packed queries q (N, Hq, D) over one layer's paged cache, whose keys and
-# values for this step's tokens are already written. The Triton one runs decode steps on the
-# paged decode kernel (split over the keys) and every other step on the paged prefill kernel;
-# the torch one gathers each sequence's blocks and runs plain attention: the reference, and
-# the CPU's engine.
+# Attention backends (chapter 32): attention(q, k_cache, v_cache, meta) -> (N, Hq, D) for the
+# packed queries q (N, Hq, D) over one layer's paged cache, this step's keys already written. The
+# Triton one runs a decode step on the paged decode kernel and any other on the paged prefill
+# kernel; the torch one gathers each sequence's blocks for plain attention (the CPU's engine).
 
 def triton_attention(q, k_cache, v_cache, meta):
     if meta.max_q_len == 1:
@@ -2679,7 +2474,7 @@ def graph_bucket(batch):
     return triton.next_power_of_2(batch) if batch <= 8 else triton.cdiv(batch, 8) * 8
 
 
-CAPTURE_KEYS = 512  # the keys of the decodes in ModelRunner.capture_graphs' made-up steps
+CAPTURE_KEYS = 512  # the keys of the decodes in ModelRunner.capture_step_graphs' made-up steps
 
 
 def token_bucket(tokens):
@@ -2691,23 +2486,20 @@ def token_bucket(tokens):
 
 class StepGraphs:
     """forward_packed of a step captured in a CUDA graph per shape, over one paged cache. A
-    decode step (one token a sequence) has a graph per batch-size bucket, where the caller pads
-    the batch with rows of their own (length 0, the scratch slot) that read nothing and write
-    where no sequence reads. Any other step (prompts, chunks of them, and the decodes beside
-    them: a server's steps, as requests arrive while others decode) has one per tokens bucket,
-    over `rows` sequences: the caller pads the tokens with rows no sequence claims (the scratch
-    slot) and the sequences with ones of no tokens. Its graph stops before the output layer,
-    which the caller runs on the rows that sample: so neither their number nor the batch's is
-    part of its shape, and a few graphs serve every step. Attention is bounded by max_len, the
-    longest sequence the engine allows, and the prefill kernel's grid by the graph's tokens and
-    rows: a graph's launches never depend on the step's lengths. A shape's first step waits for
-    its capture (Qwen3-0.6B: 30-70 ms). The graphs share one memory pool: they never run at
-    the same time."""
+    decode step (one token a sequence) has a graph per batch-size bucket, the batch padded with
+    rows of their own (length 0, the scratch slot). Any other step (prompts, chunks of them, and
+    the decodes beside them: a server's steps) has one per tokens bucket over `rows` sequences,
+    padded with tokens of no sequence (the scratch slot) and sequences of no tokens; its graph
+    stops before the output layer, which the caller runs on the rows that sample, so neither
+    their number nor the batch's is part of its shape. Attention is bounded by max_len, and the
+    prefill kernel's grid by the graph's tokens and rows: a graph's launches never depend on the
+    step's lengths. The graphs share one memory pool: they never run at the same time."""
 
     def __init__(self, model, kv, max_len, attention, rows):
         self.model, self.kv, self.max_len, self.attention = model, kv, max_len, attention
         self.rows = rows  # the sequences of a graph of other steps
-        self.graphs = {}  # (tokens, decode) -> (graph, inputs, outputs)
+        self.width = triton.cdiv(max_len, kv[0].shape[2])  # blocks of the longest sequence
+        self.graphs = {}  # (tokens, decode) -> cuda_graph's replay
         self.pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()  # the graphs' buffers are inference tensors (ModelRunner's mode)
@@ -2716,45 +2508,786 @@ class StepGraphs:
         stream and what its last sub-block adds, (tokens, C) each. Every input has its graph's
         shape."""
         decode = meta.max_q_len == 1
+        tables = F.pad(meta.block_tables, (0, self.width - meta.block_tables.shape[1]))
+        inputs = (ids, positions, meta.slots, meta.lengths, meta.cu_seqlens_q, tables)
         key = (ids.shape[0], decode)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(ids, positions, meta, decode)
-        graph, inputs, outputs = self.graphs[key]
-        width = meta.block_tables.shape[1]
-        varying = (ids, positions, meta.slots, meta.lengths)  # a decode's other inputs are fixed
-        if not decode:
-            varying += (meta.cu_seqlens_q,)
-        for buffer, x in zip(inputs, varying):
-            buffer.copy_(x)
-        inputs[-1][:, :width].copy_(meta.block_tables)  # columns past width: never read
-        graph.replay()
-        return outputs
+            sample_rows = meta.sample_rows if decode else None
 
-    def _capture(self, ids, positions, meta, decode):
-        """Capture a graph. The warm-up run before it (which compiles and autotunes the
-        kernels, work a capture may not do) takes this step's own inputs, so the keys and values
-        it writes are the ones the replay writes again."""
-        rows, device = meta.lengths.shape[0], ids.device
-        width = triton.cdiv(self.max_len, self.kv[0].shape[2])  # blocks of the longest sequence
-        tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
-        tables[:, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        inputs = (ids.clone(), positions.clone(), meta.slots.clone(), meta.lengths.clone())
-        inputs += (() if decode else (meta.cu_seqlens_q.clone(),)) + (tables,)
-        graph_meta = AttentionMetadata(
-            slots=inputs[2], cu_seqlens_q=meta.cu_seqlens_q if decode else inputs[4],
-            lengths=inputs[3], block_tables=tables, max_q_len=1 if decode else ids.shape[0],
-            max_len=self.max_len, sample_rows=meta.sample_rows if decode else None)
-        run = functools.partial(forward_packed, self.model, inputs[0], inputs[1], self.kv,
-                                graph_meta, self.attention, head=decode)
-        side = torch.cuda.Stream(device)  # warm-up off the main stream, as capture requires
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = run()
-        return graph, inputs, outputs
+            def step(ids, positions, slots, lengths, cu_seqlens_q, tables):
+                meta = AttentionMetadata(slots, cu_seqlens_q, lengths, tables,
+                                         1 if decode else ids.shape[0], self.max_len, sample_rows)
+                return forward_packed(self.model, ids, positions, self.kv, meta, self.attention,
+                                      head=decode)
+            self.graphs[key] = cuda_graph(step, *inputs, pool=self.pool)
+        return self.graphs[key](*inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 24. The engine, part by part: a request (Sequence)
+# ----------------------------------------------------------------------------------------------
+# Engine v1 runs one static batch to its end. The engine from here on serves requests as they
+# come, through small parts with vLLM's names (ENGINE.md), one way: a prompt becomes a Sequence,
+# the Scheduler picks the sequences of the next step and how many tokens each runs, the
+# BlockManager hands out the blocks of the paged KV cache they need, the ModelRunner packs them
+# into one forward pass and the Sampler picks their tokens, each Sequence takes its new tokens,
+# and the requests that advanced come back as RequestOutputs. The model never sees a Sequence and
+# the scheduler never sees a tensor. LLMEngine.step is the loop's body; LLM.generate runs it
+# until every request is done, and stage 08's server calls it from its own loop.
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: its token ids (the prompt, then the output), its sampling rules and where it
+    stands. Its status goes WAITING -> RUNNING -> FINISHED, back to WAITING when it is
+    preempted, changed by the scheduler only. The keys and values of its first
+    num_computed_tokens tokens are in the cache (or being written by a launched step), in the
+    blocks of block_table; under async scheduling num_pending more tokens were sampled on the
+    device and are not read back yet."""
+
+    def __init__(self, request_id, prompt_token_ids, params, max_tokens, vocab_size, grammar=None,
+                 generator=None):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
+        self.grammar = grammar  # structured output's TokenMasker, or None
+        self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
+        self.generator = generator  # a seeded request's own random stream
+        self.sampling_row = sampling_row(params, vocab_size)  # its numbers, for SamplingBatch
+        # its next step needs its last token on the host (LLMEngine._needs_tokens)
+        self.needs_tokens = grammar is not None or params.has_penalties
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = None
+        self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
+        self.logprobs = [] if params.logprobs is not None else None  # one {id: logprob} a token
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_pending = 0
+        # speculative decoding: the tokens proposed for the next step (and a draft model's
+        # probabilities for them, (k, V)), the positions the draft model has in its cache, and
+        # the mean number of drafts accepted a step (a moving average, from all k accepted)
+        self.draft_tokens, self.draft_probs = [], None
+        self.num_draft_computed = 0
+        self.mean_accepted = math.inf
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self):
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self):
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self):
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, token, logprobs=None):
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.grammar is not None:
+            self.grammar_state = self.grammar.next_state(self.grammar_state, token)
+            assert self.grammar_state != DEAD, f"token {token} was sampled against its mask"
+
+    def step_tokens(self, budget):
+        """How many tokens the next step runs for this sequence, at most `budget`: those whose
+        keys are not in the cache yet, then its draft tokens (speculative decoding), the drafts
+        cut to what the budget leaves."""
+        needed = self.num_tokens - self.num_computed_tokens
+        self.draft_tokens = self.draft_tokens[:max(0, budget - needed)]
+        return min(needed + len(self.draft_tokens), budget)
+
+    def settle_drafts(self, num_new):
+        """A step verified this sequence's drafts and gave it num_new tokens: num_new - 1 drafts
+        accepted. The rejected drafts' positions are computed again later, and the draft model's
+        cache past here holds drafts that were not accepted."""
+        if self.draft_tokens:
+            self.num_computed_tokens -= len(self.draft_tokens) - (num_new - 1)
+            self.draft_tokens, self.draft_probs = [], None
+        self.num_draft_computed = min(self.num_draft_computed, self.num_computed_tokens)
+
+
+@dataclass
+class RequestOutput:
+    """A request's result: what generate returns for a prompt, and what LLMEngine.step returns
+    for each request that advanced (then token_ids so far, and finish_reason None until the
+    request ends)."""
+    prompt_token_ids: list
+    token_ids: list  # the generated ids, the eos or stop id that ended the request included
+    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
+    #                   (skip_special_tokens), without special tokens; None without a tokenizer,
+    #                   and until the request ends
+    finish_reason: str | None  # "stop": an eos or stop id, or structured output complete;
+    #                            "length": max_tokens or the context limit; "abort"
+    logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
+    #                               id and the top ones
+    request_id: object = None
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapters 25 and 31. The paged KV cache (BlockManager): blocks, block tables, prefix caching
+# ----------------------------------------------------------------------------------------------
+# The model runner's cache is a pool of num_blocks blocks of block_size token slots, and each
+# sequence owns a block table: the ids of its blocks, in token order (tokens [i * block_size,
+# (i + 1) * block_size) live in block table[i]). No sequence reserves its longest possible length
+# up front: it takes a block when it needs one, and the only waste is its last block's tail.
+#
+# Sequences whose prompts start alike (a system prompt, a chat's earlier turns) share the blocks
+# of that prefix (chapter 31), so a block counts the tables that hold it. A full block is named
+# by a chained hash of its tokens and its parent block's hash, because its keys and values depend
+# on every token before it. A cached block whose count falls to 0 keeps its contents and name for
+# a later prompt to find; it is reused for other tokens only when the free list is empty, least
+# recently freed first (LRU).
+
+def block_hash(parent, token_ids):
+    """The 16-byte chained hash of a full block: its parent block's hash (None for a sequence's
+    first block) and its token ids. blake2b makes a hit mean the same tokens after the same
+    prefix, not merely the same bucket."""
+    data = (parent or bytes(16)) + np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class BlockManager:
+    """The bookkeeping of the paged KV cache, no tensors: which blocks are free, which sequences
+    hold which, and which full blocks can be found again by their contents. A block is in exactly
+    one of three places: the free list, the evictable LRU (reference count 0, still cached), or
+    in use (held by at least one block table)."""
+
+    def __init__(self, num_blocks, block_size=16, enable_prefix_caching=True):
+        if not _is_int(num_blocks) or num_blocks < 1:
+            raise ValueError(f"BlockManager: num_blocks = {num_blocks!r} must be a positive int")
+        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"BlockManager: block_size = {block_size!r} must be a positive int "
+                             "and a power of two (the attention kernels tile by it)")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"BlockManager: enable_prefix_caching = {enable_prefix_caching!r} "
+                             "must be True or False")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks = deque(range(num_blocks))  # count 0, nothing cached in them
+        self.ref_counts = [0] * num_blocks
+        self.hashes = [None] * num_blocks  # a full block's chained hash, registered or not
+        self.cached = {}  # hash -> the one block registered under it
+        self.evictable = OrderedDict()  # cached blocks of count 0, least recently freed first
+        self.reset_stats()
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def prefix_hit_rate(self):
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def reset_stats(self):
+        self.hit_tokens = self.query_tokens = 0
+
+    def blocks_needed(self, table, num_tokens):
+        return max(0, -(-num_tokens // self.block_size) - len(table))
+
+    def allocate_prefix(self, table, token_ids):
+        """At admission: append the cached blocks that begin token_ids to the empty table and
+        return how many tokens they hold. The last token is never covered, so its logits are
+        computed and the sequence's first write lands in a block of its own."""
+        assert not table, "allocate_prefix starts a block table, it does not extend one"
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        self.query_tokens += len(token_ids)
+        self.hit_tokens += len(table) * bs
+        return len(table) * bs
+
+    def grow(self, table, num_tokens):
+        """Append fresh blocks until the table holds num_tokens slots: all of them, or, when too
+        few blocks are free, none (False)."""
+        needed = self.blocks_needed(table, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            if self.free_blocks:
+                block = self.free_blocks.popleft()
+            else:  # evict: new tokens will overwrite its contents, so its name must go too
+                block, _ = self.evictable.popitem(last=False)
+                del self.cached[self.hashes[block]]
+                self.hashes[block] = None
+            assert self.ref_counts[block] == 0 and self.hashes[block] is None, (
+                f"block {block} handed out while held or named")
+            self.ref_counts[block] = 1
+            table.append(block)
+        return True
+
+    def reset_prefix_cache(self):
+        """Forget every cached block no sequence holds (vLLM's reset_prefix_cache): each goes
+        back to the free list, nameless. For benchmarks, whose runs must not find the last
+        run's prompts."""
+        for block in self.evictable:
+            self.hashes[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+        self.cached = {h: b for h, b in self.cached.items() if self.ref_counts[b] > 0}
+
+    def cache_full_blocks(self, table, token_ids, start, end):
+        """Tokens [start, end) now have their keys and values in the cache: name each block that
+        became full, so that later prompts can find it. Only those blocks are touched, since
+        this runs for every sequence every step."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        assert 0 <= start <= end <= len(token_ids) and end <= len(table) * bs, (start, end)
+        for i in range(start // bs, end // bs):
+            parent = self.hashes[table[i - 1]] if i else None
+            assert i == 0 or parent is not None, f"block {i} is cached before its parent"
+            h = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = table[i]
+            assert self.hashes[block] in (None, h), f"block {block}'s tokens changed"
+            # Two sequences may have computed the same block; the first stays the one found,
+            # the second keeps its hash so that its own children chain from it.
+            self.hashes[block] = h
+            self.cached.setdefault(h, block)
+
+    def free(self, table):
+        """A finished or preempted sequence lets go of its blocks. Its last block goes first, so
+        that under eviction a shared prefix loses its tail before its head."""
+        for block in reversed(table):
+            assert self.ref_counts[block] > 0, f"block {block} freed more often than taken"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block]:
+                continue
+            if self.cached.get(self.hashes[block]) == block:
+                self.evictable[block] = None
+            else:
+                self.hashes[block] = None
+                self.free_blocks.append(block)
+        table.clear()
+
+    def verify(self, tables):
+        """Assert the invariants, given the block table of every live sequence."""
+        held = Counter()
+        for table in tables:
+            assert len(set(table)) == len(table), f"a block table holds a block twice: {table}"
+            held.update(table)
+        free, evictable = set(self.free_blocks), set(self.evictable)
+        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
+        assert not free & evictable, f"blocks both free and evictable: {free & evictable}"
+        assert not (free | evictable) & held.keys(), (
+            f"blocks free or evictable but held by a table: {(free | evictable) & held.keys()}")
+        assert len(free) + len(evictable) + len(held) == self.num_blocks, (
+            f"free {len(free)} + evictable {len(evictable)} + used {len(held)} != "
+            f"{self.num_blocks} blocks")
+        unknown = (free | evictable | held.keys()) - set(range(self.num_blocks))
+        assert not unknown, f"block ids outside the pool: {unknown}"
+        for block, count in enumerate(self.ref_counts):
+            assert count == held[block], (
+                f"block {block}: reference count {count}, but {held[block]} tables hold it")
+        for h, block in self.cached.items():
+            assert self.hashes[block] == h, f"the hash map names block {block} for another hash"
+        for block in evictable:
+            assert self.cached.get(self.hashes[block]) == block, f"evictable {block} not cached"
+        for block in free:
+            assert self.hashes[block] is None, f"free block {block} still has a hash"
+        assert self.enable_prefix_caching or not self.cached, "cached blocks without caching"
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 24. Continuous batching: the Scheduler
+# ----------------------------------------------------------------------------------------------
+# A static batch runs until its longest request ends: a request that finishes early leaves its
+# row idle, and a new one waits for the whole batch. Continuous batching (Orca, Yu et al. 2022)
+# decides every step which sequences run: one that finishes leaves at once, and a waiting one
+# joins the next step. A step then mixes kinds of work: decodes of running sequences (one token
+# each) and prefills of new ones (many tokens), packed side by side into one forward pass
+# (forward_packed). Two budgets bound a step: max_num_seqs sequences and max_num_batched_tokens
+# tokens. A long prompt does not stall the decodes for a whole step of its own: it is
+# prefilled in chunks of what the budget leaves after them (chunked prefill, Agrawal et al.
+# 2023), one chunk a step. The blocks of the paged cache are the third limit: when none is left
+# for a running sequence's next token, the latest admitted sequence is preempted (vLLM's
+# recompute policy): its blocks are freed and it waits at the head of the queue, to be
+# prefilled again with everything it has generated so far.
+
+# NEW in stage 08: prefill_first, for a server's time to first token (TTFT). A prompt packed
+# beside the running decodes waits for the whole mixed step (Qwen3-0.6B, a 512-token prompt:
+# 2.7 ms alone, 4.9 ms beside 63 decodes). With prefill_first a step with prompt tokens to run
+# runs those only, and the decodes wait a step (the order of vLLM's first scheduler); the
+# server turns it on. So that a stream of arrivals cannot starve the decodes, they wait at most
+# MAX_DECODE_WAIT steps in a row.
+
+MAX_DECODE_WAIT = 4  # a burst of 64 prompts of 512 tokens is 4 steps of 8,192 tokens
+
+
+class Scheduler:
+    """Which sequences run in the next step, and how many of their tokens. Running sequences
+    first, oldest first (a decode takes one token of the budget, a prompt being prefilled its
+    next chunk); then waiting ones, first come first served, while the step has budget and a
+    sequence slot left, the last one admitted possibly with a chunk of its prompt only. The
+    step's tokens never exceed the budget; a preempted sequence resumes with the output it had.
+    config: the EngineConfig (its budgets, max_num_seqs and max_num_batched_tokens, and
+    prefill_first)."""
+
+    def __init__(self, block_manager, config, eos_token_ids):
+        self.block_manager, self.block_size = block_manager, block_manager.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefill_first = config.prefill_first
+        self.decodes_waited = 0  # steps in a row that ran prompts only while sequences decode
+        self.waiting = deque()
+        self.running = []  # in the order of admission: the last one is preempted first
+        self.num_preemptions = 0
+
+    def enqueue(self, seq):
+        self.waiting.append(seq)
+
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
+    def schedule(self):
+        """[(sequence, its new tokens this step)], and each sequence's num_computed_tokens moved
+        past them. A decode's draft tokens (speculative decoding) count as new tokens, the last
+        ones, cut to what the budget leaves. With prefill_first, a step with prompt tokens to
+        run (a prompt waiting that fits, or one being prefilled in chunks) runs those only,
+        unless the decodes have already waited MAX_DECODE_WAIT steps."""
+        if (self.prefill_first and self.decodes_waited < MAX_DECODE_WAIT
+                and self._prompts_ready()):
+            decoding = any(seq.num_tokens - seq.num_computed_tokens <= 1
+                           and seq.num_output_tokens < seq.max_tokens for seq in self.running)
+            batch = self._batch(decodes=False)
+            if batch:
+                self.decodes_waited += decoding
+                return batch
+            # (empty: the waiting prompt found no KV blocks, and the decodes must run to free some)
+        self.decodes_waited = 0
+        return self._batch(decodes=True)
+
+    def _prompts_ready(self):
+        return bool(self.waiting and not self.waiting[0].num_pending
+                    and len(self.running) < self.max_num_seqs) or any(
+            seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running)
+
+    def _batch(self, decodes):
+        budget, batch, preempted = self.max_num_batched_tokens, [], False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
+                continue  # preempted in this loop, or its last token is on its way
+            if seq.num_tokens - seq.num_computed_tokens <= 1 and not decodes:
+                continue
+            n = seq.step_tokens(budget)
+            while (seq.num_computed_tokens + n > len(seq.block_table) * self.block_size
+                   and not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)):
+                preempted = True
+                self.preempt(self.running[-1])
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.append((seq, n))
+                budget -= n
+        while (self.waiting and budget and len(self.running) < self.max_num_seqs
+               and not preempted and not self.waiting[0].num_pending):
+            seq = self.waiting[0]
+            cached = self.block_manager.allocate_prefix(seq.block_table, seq.token_ids)
+            n = min(seq.num_tokens - cached, budget)
+            if not self.block_manager.grow(seq.block_table, cached + n):
+                self.block_manager.free(seq.block_table)
+                break
+            self.waiting.popleft()
+            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, cached
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        return batch
+
+    def preempt(self, seq):
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        seq.draft_tokens, seq.draft_probs, seq.num_draft_computed = [], None, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq, reason):
+        """End a sequence wherever it is (a queue or the running batch) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def update(self, seqs, tokens, logprobs):
+        """Give each sequence its new tokens (a list each) and find the ones they end. Returns
+        the sequences that advanced, and [(sequence, finish reason)] of those to finish once the
+        step's blocks are registered (LLMEngine._hand_over)."""
+        advanced, ended = [], []
+        for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
+            seq.num_pending -= 1
+            seq.settle_drafts(len(new))
+            if seq.is_finished:  # ended (by eos, or aborted) while this step ran
+                continue
+            for token, token_logprobs in zip(new, new_logprobs):
+                seq.append(token, token_logprobs)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    if reason == "stop" and not self._grammar_finished(seq):
+                        seq.stop_token_id = token
+                    ended.append((seq, reason))
+                    break
+            advanced.append(seq)
+        return advanced, ended
+
+    def register_computed(self, spans):
+        """Blocks that a step filled become reusable by later prompts (prefix caching): the one
+        place where they are named. spans: [(sequence, start, end)], the positions the step
+        computed; their tokens are all known by now. A sequence preempted since then has lost
+        those blocks; one that the step ends is finished only after this, so that the next
+        request with the same prompt finds them."""
+        bs = self.block_size
+        for seq, start, end in spans:
+            end = min(end, seq.num_computed_tokens)  # (rejected drafts are not computed)
+            if seq.status is SequenceStatus.RUNNING and end // bs > start // bs:  # a block filled
+                self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, start, end)
+
+    def _finish_reason(self, seq, token):
+        # Under a grammar the mask allows eos only where the text is complete, and there eos ends
+        # the request even with ignore_eos: the text can only be finished, not continued.
+        eos_ends = not seq.params.ignore_eos or seq.grammar is not None
+        if token in seq.params.stop_token_ids or (eos_ends and token in self.eos_token_ids):
+            return "stop"
+        if self._grammar_finished(seq):  # the automaton accepts, and nothing may follow
+            return "stop"
+        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _grammar_finished(seq):
+        return seq.grammar is not None and seq.grammar.is_complete(seq.grammar_state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapters 19 and 33. The ModelRunner: a step's tensors, its forward pass, its CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+class StepHandle:
+    """A launched step: the positions it computed, and the tokens it sampled on their way to the
+    host, which wait() waits for (once: a second call returns the same lists)."""
+
+    def __init__(self, spans, seqs, tokens, copied):
+        self.spans = spans  # [(sequence, start, end)]: the positions computed, as scheduled
+        self.seqs = seqs  # the sequences that sampled
+        self.rows = {seq: row for row, seq in enumerate(seqs)}  # a sequence's row in tokens
+        self.num_drafts = [len(seq.draft_tokens) for seq in seqs]  # drafts each one verifies
+        self.tokens = tokens  # (S,) on the device: one token a sequence (no speculation)
+        self._copied, self._tokens = copied, None
+
+    def wait(self):
+        """(new tokens, logprobs): a list of each per sequence."""
+        if self._tokens is None:
+            self._tokens = self._copied()
+        return self._tokens
+
+
+class ModelRunner:
+    """Turns a step's packed sequences into tensors, runs the model and samples. It owns the
+    paged KV cache, allocated once; on a GPU (unless enforce_eager) its steps replay CUDA
+    graphs (StepGraphs), else run forward_packed eagerly. launch() only queues the work and
+    starts copying the sampled tokens back: the StepHandle's wait() waits for them."""
+
+    def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False,
+                 max_num_seqs=256):
+        self.model = fuse_projections(model)
+        cfg = model.cfg
+        self.device, self.dtype = _device_of(model), model.model.embed_tokens.weight.dtype
+        self.vocab_size, self.block_size = cfg.vocab_size, block_size
+        self.max_len = triton.cdiv(max_model_len, block_size) * block_size  # the blocks' reach
+        self.attention = triton_attention if model.kernels else torch_attention
+        # one block more than the manager hands out: the scratch block, where a graph's padding
+        # rows write their keys and values
+        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
+                 cfg.head_dim)
+        self.kv = (torch.zeros(shape, device=self.device, dtype=self.dtype),
+                   torch.zeros(shape, device=self.device, dtype=self.dtype))
+        self.scratch_slot = num_blocks * block_size
+        graphed = self.device.type == "cuda" and model.kernels and not enforce_eager
+        self.graphs = (StepGraphs(self.model, self.kv, self.max_len, self.attention,
+                                  max_num_seqs) if graphed else None)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def launch(self, batch, previous=None):
+        """Queue one step: batch = [(sequence, its new tokens)] as scheduled (num_computed_tokens
+        already past them, a sequence's draft tokens last). A new token not yet on the host is
+        the one `previous` (a StepHandle) sampled: it is read on the device. Returns a
+        StepHandle."""
+        entries, seqs, spans = [], [], []
+        for seq, n in batch:
+            end, k = seq.num_computed_tokens, len(seq.draft_tokens)
+            start = end - n
+            ids, from_previous = seq.token_ids[start:end - k], None
+            if len(ids) < n - k:  # the last one is on its way from the previous step
+                ids, from_previous = ids + [0], previous.rows[seq]
+            samples = 0
+            if end - k == seq.num_tokens:  # all its tokens are in: it samples (k + 1 rows)
+                samples = k + 1
+                seqs.append(seq)
+            if k and len(ids) == 1:
+                # a decode and its drafts: k + 1 entries of one token each, at successive
+                # positions over the same blocks, as k + 1 decodes; each layer writes all their
+                # keys before any attends, so token i still sees tokens < i. The step is then
+                # decode-shaped, and its CUDA graph replays it
+                entries += [([t], None, start + i, seq.block_table, 1)
+                            for i, t in enumerate(ids + seq.draft_tokens)]
+            else:
+                entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table,
+                                samples))
+            spans.append((seq, start, end))
+        logits = self.run(entries, previous.tokens if previous is not None else None)
+        plain = [seq for seq in seqs if not seq.draft_tokens]
+        tokens = logprobs = None
+        if plain:
+            if len(plain) < len(seqs):  # a speculative step: the plain rows' logits, one each
+                ends = np.cumsum([len(seq.draft_tokens) + 1 for seq in seqs]) - 1
+                logits_plain = logits[self._to_device(
+                    [end for end, seq in zip(ends, seqs) if not seq.draft_tokens], torch.int64)]
+            else:
+                logits_plain = logits
+            masks = [None if s.grammar is None else s.grammar.mask(s.grammar_state) for s in plain]
+            tokens, logprobs = self.sampler(logits_plain, self.sampling_batch(plain), masks)
+        read_plain = self._read_back(tokens, logprobs)
+        read_spec = self._verify(seqs, logits) if len(plain) < len(seqs) else None
+
+        def lists():
+            """A list of new tokens and one of logprobs per sequence, in seqs' order."""
+            tokens_list, logprobs_tensors = read_plain()
+            new = [[t] for t in tokens_list]
+            logprobs_list = [[x] for x in self.logprobs_lists(plain, tokens_list, logprobs_tensors)]
+            if read_spec is None:
+                return new, logprobs_list
+            per_seq = dict(zip(plain, zip(new, logprobs_list)))
+            per_seq.update(read_spec())
+            new = [per_seq[seq] for seq in seqs]
+            return [t for t, _ in new], [lp for _, lp in new]
+        return StepHandle(spans, seqs, tokens, lists)
+
+    def sampling_batch(self, seqs, repeat=1):
+        """The SamplingBatch of the sequences, each in `repeat` rows (one per verified position).
+        The prompts and outputs (copies) only where a penalty needs them."""
+        seqs = [seq for seq in seqs for _ in range(repeat)]
+        params = [s.params for s in seqs]
+        penalties = any(s.needs_tokens and s.params.has_penalties for s in seqs)
+        return SamplingBatch(params, [s.prompt_token_ids for s in seqs] if penalties else None,
+                             self.vocab_size, self.device,
+                             outputs=[s.output_token_ids for s in seqs] if penalties else None,
+                             generators=[s.generator for s in seqs] if repeat == 1 else None,
+                             rows=[s.sampling_row for s in seqs])
+
+    @torch.inference_mode()
+    def run(self, entries, previous_tokens=None):
+        """One packed forward pass. entries: [(ids, from_previous, start, block_table, samples)]:
+        a sequence's new token ids (a list) at positions start.., the last one taken on the
+        device from previous_tokens[from_previous] when that is not None; `samples`: how many
+        of its last rows need logits. Returns those logits (rows, V), in order."""
+        bs = self.block_size
+        ids, pending, positions, slots, lengths, tables, sample_rows = [], [], [], [], [], [], []
+        cu = [0]
+        for tokens, from_previous, start, table, samples in entries:
+            end = start + len(tokens)
+            if from_previous is not None:
+                pending.append((len(ids) + len(tokens) - 1, from_previous))
+            ids += tokens
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            lengths.append(end)
+            tables.append(table)
+            cu.append(len(ids))
+            sample_rows += range(len(ids) - samples, len(ids))
+        decode = len(ids) == len(entries)
+        graphed = self.graphs is not None and (decode or len(entries) <= self.graphs.rows)
+        if graphed and decode:  # padded to its bucket: rows that read nothing, write the scratch
+            pad = graph_bucket(len(ids)) - len(ids)
+            ids, positions, lengths = ids + [0] * pad, positions + [0] * pad, lengths + [0] * pad
+            slots += [self.scratch_slot] * pad
+            cu += range(cu[-1] + 1, cu[-1] + pad + 1)
+        elif graphed:  # token rows of no sequence, sequences of no tokens
+            pad = token_bucket(len(ids)) - len(ids)
+            ids, positions = ids + [0] * pad, positions + [0] * pad
+            slots += [self.scratch_slot] * pad
+            lengths += [0] * (self.graphs.rows - len(entries))
+            cu += [cu[-1]] * (self.graphs.rows - len(entries))
+        table_array = np.zeros((len(lengths), max(map(len, tables))), dtype=np.int32)
+        for row, table in enumerate(tables):
+            table_array[row, :len(table)] = table
+        # two copies to the device, of the int64 inputs and of the int32 ones, not one an input:
+        # each copy costs the host tens of microseconds, while the GPU runs the last step
+        dst, src = zip(*pending) if pending else ((), ())
+        ids_d, positions_d, slots_d, rows_d, dst, src = self._ints_to_device(
+            torch.int64, ids, positions, slots, sample_rows, dst, src)
+        cu_d, lengths_d, tables_d = self._ints_to_device(torch.int32, cu, lengths,
+                                                         table_array.ravel())
+        if pending:
+            ids_d[dst] = previous_tokens[src]
+        meta = AttentionMetadata(
+            slots=slots_d, cu_seqlens_q=cu_d, lengths=lengths_d,
+            block_tables=tables_d.view(table_array.shape),
+            max_q_len=max(len(e[0]) for e in entries), max_len=table_array.shape[1] * bs,
+            sample_rows=rows_d)
+        if not graphed:
+            return forward_packed(self.model, ids_d, positions_d, self.kv, meta, self.attention)
+        if not decode:  # the output layer on the rows that sample, outside the graph
+            x, h = self.graphs(ids_d, positions_d, meta)
+            if not sample_rows:  # a step of prompt chunks that all go on
+                return x.new_empty(0, self.vocab_size)
+            return norm_linear(x[rows_d], h[rows_d], self.model.model.norm,
+                               self.model.output_weight())[0]
+        meta.sample_rows = torch.arange(len(ids), device=self.device)
+        logits = self.graphs(ids_d, positions_d, meta)  # (bucket, V)
+        return logits if len(sample_rows) == len(ids) else logits[rows_d]
+
+    @torch.inference_mode()
+    def capture_step_graphs(self, max_num_batched_tokens):
+        """Capture the graph of every tokens bucket a step other than a decode can fill, up to
+        max_num_batched_tokens, so that no request waits for one (a server does this before it
+        is ready). Each is captured on a made-up step like a server's: an eighth of its tokens
+        decodes of CAPTURE_KEYS keys, the rest a prompt, all reading and writing the scratch
+        block, so no sequence's keys change. The prefill kernel's tiles are tuned on that step:
+        on a prompt alone they come out wide, and a decode's token then fills a sliver of each.
+        A decode step's graph is captured at its batch size's first step, its attention tuned on
+        real lengths. Returns how many graphs it captured."""
+        if self.graphs is None:
+            return 0
+        before = len(self.graphs.graphs)
+        bs, scratch = self.block_size, self.scratch_slot // self.block_size
+        keys = min(CAPTURE_KEYS, self.max_len)
+        buckets = {token_bucket(n) for n in range(2, max_num_batched_tokens + 1)}
+        for tokens in sorted(buckets):
+            decodes = max(0, min(tokens // 8, self.graphs.rows - triton.cdiv(tokens, self.max_len)))
+            entries = [([0], None, keys - 1, [scratch] * triton.cdiv(keys, bs), 1)] * decodes
+            rest = tokens - decodes
+            chunks = [min(self.max_len, rest - at) for at in range(0, rest, self.max_len)]
+            entries += [([0] * n, None, 0, [scratch] * triton.cdiv(n, bs), 0) for n in chunks]
+            if len(entries) <= self.graphs.rows and (tokens, False) not in self.graphs.graphs:
+                self.run(entries)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs.graphs) - before
+
+    def _verify(self, seqs, logits):
+        """Speculative decoding's check of the sequences of a step that carry draft tokens:
+        logits holds k + 1 rows for each of seqs (1 for one without drafts, skipped here). The
+        target's distribution at each position, then rejection_sample. Returns a function that
+        waits for the result: {sequence: (new tokens, logprobs)}."""
+        index, start, drafted = [], 0, []
+        K = max(len(seq.draft_tokens) for seq in seqs)
+        for seq in seqs:
+            k = len(seq.draft_tokens)
+            if k:  # (K + 1) rows of logits, the last one repeated past k
+                index.append([start + min(i, k) for i in range(K + 1)])
+                drafted.append(seq)
+            start += k + 1
+        index = self._to_device(index, torch.int64)
+        probs = Sampler.probs(logits[index.flatten()].float(), self.sampling_batch(
+            drafted, repeat=K + 1)).view(len(drafted), K + 1, -1)  # (B, K + 1, V)
+        drafts = self._to_device(  # (B, K)
+            [s.draft_tokens + [0] * (K - len(s.draft_tokens)) for s in drafted], torch.int64)
+        num_draft = self._to_device([len(s.draft_tokens) for s in drafted], torch.int64)
+        draft_probs = None
+        if drafted[0].draft_probs is not None:  # a draft model's, (k, V) a sequence: zero-padded
+            draft_probs = torch.zeros(len(drafted), K, probs.shape[-1], device=self.device)
+            for row, seq in enumerate(drafted):
+                k = len(seq.draft_tokens)  # (the budget may have cut the draft short)
+                draft_probs[row, :k] = seq.draft_probs[:k]
+        greedy = self._to_device([s.params.temperature < GREEDY_BELOW for s in drafted], torch.bool)
+        generators = {row: s.generator for row, s in enumerate(drafted) if s.generator is not None}
+        tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy,
+                                            generators)
+        read = self._read_back(tokens, (accepted,))
+
+        def wait():
+            tokens_list, (accepted_t,) = read()
+            return {seq: (row[:a + 1], [None] * (a + 1))
+                    for seq, row, a in zip(drafted, tokens_list, accepted_t.tolist())}
+        return wait
+
+    def _to_device(self, data, dtype):
+        """A host list or array on the device: from pinned memory, without waiting for the GPU."""
+        t = torch.as_tensor(np.asarray(data), dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _ints_to_device(self, dtype, *arrays):
+        """Host lists or arrays of ints, one dimension each, on the device in one copy: views of
+        one tensor."""
+        sizes = [len(a) for a in arrays]
+        packed, at = np.empty(sum(sizes), dtype=np.int64), 0
+        for a, size in zip(arrays, sizes):
+            packed[at:at + size] = a
+            at += size
+        return self._to_device(packed, dtype).split(sizes)
+
+    def _read_back(self, tokens, logprobs):
+        """Start copying the sampled tokens (and logprobs) to the host; the function returned waits
+        for these copies only, not for what is queued on the GPU after them, and returns
+        (tokens as a list, logprobs)."""
+        if tokens is None:
+            return lambda: ([], None)
+        tensors = [tokens, *(logprobs or ())]
+        copied = None
+        if self.device.type == "cuda":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
+            copied = torch.cuda.Event()
+            copied.record()
+
+        def wait():
+            if copied is not None:
+                copied.synchronize()
+            return tensors[0].tolist(), (tuple(tensors[1:]) if logprobs is not None else None)
+        return wait
+
+    @staticmethod
+    def logprobs_lists(seqs, tokens, logprobs):
+        """Per row, {id: logprob} of the sampled id and the row's top ones, or None."""
+        if logprobs is None:
+            return [None] * len(seqs)
+        sampled, top_values, top_ids = (x.tolist() for x in logprobs)
+        out = []
+        for row, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            top = dict(zip(top_ids[row][:k], top_values[row][:k]))
+            out.append({tokens[row]: sampled[row], **top})
+        return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2850,7 +3383,7 @@ class SamplingParams:
             object.__setattr__(self, "choice", tuple(self.choice))
 
 
-def filter_logits(logits, top_k, top_p, min_p):
+def filter_logits(logits, top_k, top_p, min_p):  # changed in 07: one value per row, and min-p
     """Set to -inf every logit that top-k, then top-p, then min-p rule out, each row with its own
     values. logits (B, V); top_k (B,) int64 (V keeps all), top_p (B,) in (0, 1] (1 keeps all),
     min_p (B,) in [0, 1] (0 keeps all).
@@ -2904,7 +3437,8 @@ class SamplingBatch:
          self.frequency_penalty, top_k) = table
         self.top_k = top_k.long()
         self.greedy = self.temperature < GREEDY_BELOW  # (B,) bool
-        self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None),
+                                default=None)
         if generators is None:
             generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed)
                           for p in params]
@@ -3002,38 +3536,562 @@ class Sampler:
 
 
 # ----------------------------------------------------------------------------------------------
+# Chapters 24 and 33. The LLMEngine: requests in, a step at a time, outputs out
+# ----------------------------------------------------------------------------------------------
+
+class LLMEngine:
+    """Requests in, one step at a time, outputs out: add_request, step, abort. Stage 08's server
+    drives these from its engine thread. A step is plain_step, or overlapped_step under async
+    scheduling; speculative decoding enters the plain step in one place (Speculator.after_step).
+
+    config: the EngineConfig (max_model_len resolved against the model); speculator: a
+    Speculator, or None."""
+
+    def __init__(self, runner, block_manager, config, *, eos_token_ids, tokenizer=None,
+                 speculator=None):
+        self.runner, self.block_manager, self.config = runner, block_manager, config
+        self.scheduler = Scheduler(block_manager, config, eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len, self.tokenizer = config.max_model_len, tokenizer
+        self.speculator = speculator
+        self.grammars = None  # the GrammarCache, built at the first structured request
+        self.requests = {}  # request_id -> Sequence, until it ends
+        self.aborted = []  # sequences aborted since the last step: it reports them
+        self.num_needing_tokens = 0  # of the requests, those under structured output or penalties
+        self.in_flight = None  # the StepHandle that overlapped_step launched and did not read
+        self.last_batch = []  # [(sequence, its new tokens)] of the last step scheduled
+        self.counts = Counter()  # steps, those overlapped; sequences verified, drafts, accepted
+        self.num_steps = 0  # calls of step(): the clock of speculation's probes
+
+    def add_request(self, request_id, prompt, params=None):
+        """Queue a request: prompt a string (with a tokenizer) or a list of token ids; params a
+        SamplingParams (None: the defaults). Checked here: a bad request raises ValueError and
+        leaves the engine as it was."""
+        self.add_sequence(self.new_sequence(request_id, prompt, params))
+
+    def new_sequence(self, request_id, prompt, params=None):
+        """The request as a Sequence, every check done, not queued yet."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        ids = self._prompt_ids(request_id, prompt)
+        max_tokens = self._check_request(request_id, ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        return Sequence(request_id, ids, params, max_tokens, self.runner.vocab_size,
+                        self._grammar(request_id, params), generator)
+
+    def add_sequence(self, seq):
+        self.requests[seq.request_id] = seq
+        self.num_needing_tokens += seq.needs_tokens
+        self.scheduler.enqueue(seq)
+
+    def abort(self, request_id):
+        """End a request wherever it is (waiting, being prefilled or decoding); its blocks are
+        freed at once, and the next step reports it (finish_reason "abort"). An unknown or
+        finished id is ignored (it may have just finished)."""
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self._forget(seq)
+            self.aborted.append(seq)
+
+    def reset(self):
+        """Abort every request, and wait for the step in flight."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        if self.in_flight is not None:
+            self.in_flight.wait()
+            self.in_flight = None
+        self.aborted.clear()
+
+    def has_unfinished(self):
+        return self.scheduler.has_work() or self.in_flight is not None or bool(self.aborted)
+
+    @property
+    def num_unfinished(self):
+        return len(self.requests)
+
+    # -- the step
+
+    def step(self):
+        """One turn of the loop: a RequestOutput for every request that advanced, and for each
+        one aborted since the last step."""
+        return [self.output(seq) for seq in self.step_sequences()]
+
+    def step_sequences(self):
+        """step() without building its outputs (each a copy of a request's tokens so far): the
+        sequences that advanced or were aborted. A step overlaps the next one unless its tokens
+        are needed on the host before the next can start (_needs_tokens)."""
+        self.num_steps += 1
+        aborted, self.aborted = self.aborted, []
+        overlap = self.config.async_scheduling and not self._needs_tokens()
+        self.counts["overlapped"] += overlap
+        advanced = self.overlapped_step() if overlap else self.plain_step()
+        if self.config.debug:
+            self.check()
+        return aborted + advanced
+
+    def plain_step(self):
+        """Schedule, run the model and sample, wait for the tokens and hand them over: the
+        algorithm as it reads. Then speculative decoding checks the drafts this step verified
+        and proposes the next step's."""
+        advanced = self._hand_over(self.in_flight)  # (left by an overlapped step, if any)
+        self.in_flight = None
+        handle = self._launch(self._schedule())
+        advanced += self._hand_over(handle)
+        if self.speculator is not None:
+            self.speculator.after_step(handle, self, self.num_steps)
+        return advanced
+
+    def overlapped_step(self):
+        """Async scheduling: launch step n + 1 while step n runs, each sequence's last token read
+        on the device from step n's output, then read step n's tokens, so that the host's work
+        (scheduling, the inputs, the outputs) runs while the GPU computes. A sequence that step
+        n ends runs one step more, whose token nobody reads."""
+        previous = self.in_flight
+        self.in_flight = self._launch(self._schedule(previous), previous)
+        return self._hand_over(previous)
+
+    def _schedule(self, in_flight=None):
+        """The next batch. An empty one while no step is in flight and requests remain could
+        never change anything: an engine bug, reported rather than looped on forever."""
+        batch = self.last_batch = self.scheduler.schedule()
+        if not batch and in_flight is None and self.scheduler.has_work():
+            stuck = [seq.request_id for seq in [*self.scheduler.running, *self.scheduler.waiting]]
+            raise RuntimeError(
+                f"the engine is stuck: {len(stuck)} requests ({', '.join(map(repr, stuck[:8]))}"
+                f"{', ...' if len(stuck) > 8 else ''}) can be neither scheduled nor finished, "
+                f"with {self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} "
+                f"KV blocks free")
+        return batch
+
+    def _launch(self, batch, previous=None):
+        """Queue a scheduled batch on the device (None for an empty one); each sequence that
+        samples has a token on its way."""
+        if not batch:
+            return None
+        handle = self.runner.launch(batch, previous)
+        for seq in handle.seqs:
+            seq.num_pending += 1
+        return handle
+
+    def _hand_over(self, handle):
+        """Wait for a launched step's tokens and hand them over: each sequence takes its new
+        tokens, the blocks the step filled become findable (prefix caching), and the sequences
+        that ended are finished, their blocks freed."""
+        if handle is None:
+            return []
+        tokens, logprobs = handle.wait()
+        self.counts["steps"] += 1
+        advanced, ended = self.scheduler.update(handle.seqs, tokens, logprobs)
+        self.scheduler.register_computed(handle.spans)
+        for seq, reason in ended:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq)
+        return advanced
+
+    def _forget(self, seq):
+        if self.requests.pop(seq.request_id, None) is not None:
+            self.num_needing_tokens -= seq.needs_tokens
+
+    def _needs_tokens(self):
+        """Whether this step needs the last step's tokens on the host before it starts: for
+        structured output's masks or penalties, or for speculation (to verify drafts, or to
+        propose after it)."""
+        return self.num_needing_tokens > 0 or (
+            self.speculator is not None
+            and self.speculator.needs_tokens(self.scheduler.running, self.num_steps))
+
+    # -- a request's checks
+
+    def _prompt_ids(self, request_id, prompt):
+        """The prompt as a list of token ids, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {request_id!r} is text, but this LLM has no tokenizer: "
+                                 f"pass token ids, or LLM(..., tokenizer=...)")
+            prompt = self.tokenizer.encode(prompt)
+        elif not isinstance(prompt, (list, tuple)) or not all(
+                type(t) is int or _is_int(t) for t in prompt):  # (the common case first)
+            raise ValueError(f"prompt {request_id!r} must be a string or a list of token ids")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {request_id!r} is empty: generation needs a token to "
+                             f"continue")
+        vocab = self.runner.vocab_size
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"prompt {request_id!r} holds token id {outside[0]}, outside the "
+                             f"model's vocabulary [0, {vocab})")
+        return ids
+
+    def _check_request(self, i, ids, params):
+        """How many tokens prompt i may generate, checked against max_model_len and the KV pool;
+        its params checked against the vocabulary."""
+        n, limit = len(ids), self.max_model_len
+        if n > limit:
+            raise ValueError(f"prompt {i!r} is {n} tokens, longer than max_model_len {limit}")
+        if n == limit:
+            raise ValueError(f"prompt {i!r} is {n} tokens, all of max_model_len {limit}: no room "
+                             f"to generate")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"prompt {i!r}: {n} prompt tokens + max_tokens {params.max_tokens} = "
+                             f"{n + params.max_tokens}, beyond max_model_len {limit}")
+        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
+        blocks = self.block_manager
+        if triton.cdiv(n + max_tokens, blocks.block_size) > blocks.num_blocks:
+            raise ValueError(f"prompt {i!r}: {n} prompt tokens + {max_tokens} to generate need "
+                             f"more than the KV pool's {blocks.num_blocks} blocks of "
+                             f"{blocks.block_size} tokens: lower max_tokens or max_model_len")
+        vocab = self.runner.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"SamplingParams.stop_token_ids of prompt {i!r} holds {outside[0]}, "
+                             f"outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs of prompt {i!r} asks for {params.logprobs} "
+                             f"top logprobs, more than the vocabulary's {vocab} tokens")
+        return max_tokens
+
+    def _grammar(self, i, params):
+        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
+        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
+        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {i!r} asks for structured output, which needs a tokenizer "
+                             f"(each token's bytes): LLM(..., tokenizer=...)")
+        if self.grammars is None:
+            vocab = grammar_vocab(self.tokenizer, self.runner.vocab_size)
+            self.grammars = GrammarCache(vocab, self.eos_token_ids, self.runner.device)
+        masker = self.grammars.get(regex=params.regex, choice=params.choice,
+                                   json_schema=params.json_schema)
+        if masker.is_complete(masker.start):
+            raise ValueError(f"the structured output of prompt {i!r} allows only the empty text: "
+                             f"there is nothing to generate")
+        return masker
+
+    # -- what it reports
+
+    @property
+    def stats(self):
+        """The engine's counters since it was built: steps, preemptions, the prefix cache's hit
+        rate (of prompt tokens looked up, those found cached), and speculative decoding's draft
+        tokens, accepted ones and mean accepted a verified sequence."""
+        counts = self.counts
+        return dict(steps=counts["steps"], preemptions=self.scheduler.num_preemptions,
+                    prefix_hit_rate=self.block_manager.prefix_hit_rate,
+                    draft_tokens=counts["drafted"], accepted_tokens=counts["accepted"],
+                    mean_accepted=counts["accepted"] / max(1, counts["verified"]))
+
+    def check(self):
+        """The invariants (debug mode, and the tests): every live sequence is in exactly one
+        queue with its status, and the block manager's counts match the block tables."""
+        queued = list(self.scheduler.waiting) + self.scheduler.running
+        assert len(queued) == len(set(map(id, queued))), "a sequence is in two queues"
+        assert all(s.status is SequenceStatus.WAITING for s in self.scheduler.waiting)
+        assert all(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
+        self.block_manager.verify([seq.block_table for seq in queued])
+
+    def output(self, seq):
+        """The RequestOutput of a sequence as it stands."""
+        ids = seq.output_token_ids
+        text = None
+        if self.tokenizer is not None and seq.is_finished:  # the ending eos or stop id: no text
+            text_ids = ids if seq.stop_token_id is None else ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
+                             None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 24. The entry point: LLM, its knobs (EngineConfig) and the KV pool's size
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineConfig:
+    """The engine's knobs, with vLLM's names, checked once, here: a bad value is an error naming
+    the knob. LLM(model, **knobs) builds one."""
+    max_model_len: int | None = None  # the longest prompt + output; None: the model's context
+    max_num_seqs: int = 256  # sequences in one step at most
+    max_num_batched_tokens: int = 8192  # tokens in one step at most (a long prompt goes in chunks)
+    block_size: int = 16  # tokens a KV block holds
+    num_kv_blocks: int | None = None  # the KV pool; None: as kv_blocks_for_memory sizes it
+    gpu_memory_utilization: float = 0.9  # of the GPU's memory: the weights, a step, the pool
+    enable_prefix_caching: bool = True
+    speculative: dict | None = None  # speculative decoding, as make_speculator reads it:
+    #   {"method": "ngram"} (prompt lookup) or {"method": "draft", "model": a smaller Qwen3, a
+    #   directory or a Hub id}, with "num_tokens" k (default 4), "min_accepted" (0: always on)
+    enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # launch each step before the last one's tokens reach the
+    #                                host (SGLang's overlap scheduler): the same outputs
+    debug: bool = False  # check the engine's invariants after every step
+    prefill_first: bool = False  # a step with prompt tokens to run runs only those (Scheduler);
+    #                              the server's default: the same outputs
+
+    def __post_init__(self):
+        def need(ok, name, what):
+            if not ok:
+                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} {what}")
+
+        need(self.max_model_len is None or _is_int(self.max_model_len) and self.max_model_len >= 2,
+             "max_model_len", "must be an int >= 2, or None for the model's context")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
+                 "must be a positive int")
+        need(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two "
+             "(the attention kernels split a position into block and offset with a shift)")
+        need(self.num_kv_blocks is None or _is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1,
+             "num_kv_blocks", "must be a positive int or None")
+        need(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+             "gpu_memory_utilization", "must be in (0, 1]")
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "debug",
+                     "prefill_first"):
+            need(isinstance(getattr(self, name), bool), name, "must be True or False")
+        if self.speculative is not None:
+            _check_speculative(self.speculative)
+
+
+def _check_speculative(spec):
+    if not isinstance(spec, dict):
+        raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': "
+                        f"4}}, not {type(spec).__name__}")
+    known = {"method", "num_tokens", "model", "max_n", "min_accepted"}
+    if set(spec) - known:
+        raise ValueError(f"speculative: unknown keys {sorted(set(spec) - known)}; known: "
+                         f"{sorted(known)}")
+    method, k = spec.get("method"), spec.get("num_tokens", 4)
+    min_accepted, max_n = spec.get("min_accepted", 0), spec.get("max_n", 4)
+    if method not in ("ngram", "draft"):
+        raise ValueError(f"speculative: method = {method!r} must be 'ngram' or 'draft'")
+    if not _is_int(k) or not 1 <= k <= 16:
+        raise ValueError(f"speculative: num_tokens = {k!r} must be an int from 1 to 16")
+    if not _is_number(min_accepted) or min_accepted < 0:
+        raise ValueError(f"speculative: min_accepted = {min_accepted!r} must be a number >= 0")
+    if method == "ngram" and "model" in spec:
+        raise ValueError("speculative: n-gram lookup takes no model")
+    if method == "ngram" and (not _is_int(max_n) or max_n < 1):
+        raise ValueError(f"speculative: max_n = {max_n!r} must be a positive int")
+    if method == "draft" and not isinstance(spec.get("model"), (Qwen3, str, os.PathLike)):
+        raise ValueError("speculative: 'draft' needs a model: a Qwen3, a directory or a Hub id")
+
+
+class LLM:
+    """The entry point: LLM(model, **knobs).generate(prompts, sampling_params), one
+    RequestOutput per prompt, in the prompts' order; llm.engine is the LLMEngine, for requests
+    one at a time.
+
+    model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
+    built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
+    (load_tokenizer); by default a directory's own, read from its tokenizer.json with the
+    weights. Without one (a built Qwen3, or a directory with no tokenizer.json) prompts are token
+    ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
+    the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
+    device, dtype: as load_qwen3's. knobs: EngineConfig's fields.
+    """
+
+    def __init__(self, model, *, tokenizer=None, device=None, dtype=None, data_dir=None, **knobs):
+        unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"LLM: unknown knob {unknown[0]!r}; the knobs are EngineConfig's: "
+                            f"{', '.join(f.name for f in dataclasses.fields(EngineConfig))}")
+        config = EngineConfig(**knobs)  # every knob checked before anything loads
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
+                            f"{type(tokenizer).__name__}")
+        if isinstance(model, Qwen3):
+            if device is not None or dtype is not None:
+                raise ValueError("a built Qwen3 is used as it is: move it with .to() instead of "
+                                 "passing device or dtype")
+            self.model, eos_token_ids = model.eval(), set()
+        elif isinstance(model, (str, os.PathLike)):
+            folder = model_folder(model, data_dir)
+            self.model = load_qwen3(folder, device, dtype)
+            eos_token_ids = config_eos_token_ids(folder)
+            if tokenizer is None and (folder / "tokenizer.json").is_file():
+                tokenizer = load_tokenizer(folder)
+        else:
+            raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not "
+                            f"{type(model).__name__}")
+        if tokenizer is not None:
+            eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
+        self.tokenizer = tokenizer
+        limit = self.model.cfg.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len = {config.max_model_len!r} must be an int from 2 to "
+                             f"the model's max_position_embeddings, {limit}")
+        config = dataclasses.replace(config, max_model_len=config.max_model_len or limit)
+        self.config = config
+        self.max_model_len = config.max_model_len
+        speculative = config.speculative
+        draft = speculative.get("model") if speculative else None
+        if isinstance(draft, (str, os.PathLike)):  # loaded before the pool is sized
+            draft = load_qwen3(model_folder(draft, data_dir), _device_of(self.model),
+                               self.model.model.embed_tokens.weight.dtype)
+            speculative = {**speculative, "model": draft.use_kernels(self.model.kernels)}
+        models = [self.model] + ([draft] if isinstance(draft, Qwen3) else [])
+        num_blocks = config.num_kv_blocks or kv_blocks_for_memory(models, config)
+        self.kv_cache_bytes = num_blocks * config.block_size * kv_bytes_per_token(models)
+        LOG.info("KV cache: %s blocks of %d tokens = %s tokens, %s", f"{num_blocks:,}",
+                 config.block_size, f"{num_blocks * config.block_size:,}",
+                 memory_size(self.kv_cache_bytes))
+        speculator = speculative and make_speculator(
+            speculative, self.model, num_blocks, config.block_size, config.max_model_len,
+            config.enforce_eager)
+        runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_model_len,
+                             config.enforce_eager, config.max_num_seqs)
+        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.engine = LLMEngine(runner, blocks, config, eos_token_ids=eos_token_ids,
+                                tokenizer=tokenizer, speculator=speculator)
+
+    def capture_graphs(self):
+        """Capture the CUDA graphs of the steps that are not decodes ahead of the first request
+        (ModelRunner.capture_step_graphs; none without graphs). Returns how many it captured."""
+        return self.engine.runner.capture_step_graphs(self.config.max_num_batched_tokens)
+
+    def generate(self, prompts, sampling_params=None):
+        """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
+        of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
+        defaults. Every prompt and its limits are checked before any work starts."""
+        prompts = self._prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        engine = self.engine
+        engine.reset()  # a fresh start, even after an interrupted call
+        seqs = [engine.new_sequence(i, prompt, p)
+                for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        while engine.has_unfinished():
+            engine.step_sequences()
+        return [engine.output(seq) for seq in seqs]
+
+    @staticmethod
+    def _prompt_list(prompts):
+        """One prompt (a string or a list of ids) is a batch of one."""
+        if isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(
+                _is_int(t) for t in prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string or a list of token ids, or a non-empty "
+                             "list of them")
+        return prompts
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n):
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * n
+        if isinstance(sampling_params, (list, tuple)) and all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            if len(sampling_params) != n:
+                raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts: give "
+                                 f"one for all, or one per prompt")
+            return list(sampling_params)
+        raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
+
+
+def kv_bytes_per_token(models):
+    """Bytes of keys and values one token takes in the pool: every layer's, of the target and of
+    a draft model whose cache shares the blocks."""
+    return sum(2 * m.cfg.num_hidden_layers * m.cfg.num_key_value_heads * m.cfg.head_dim
+               * m.model.embed_tokens.weight.element_size() for m in models)
+
+
+def kv_blocks_for_memory(models, config):
+    """The pool's size in blocks. On a GPU, vLLM's rule: of gpu_memory_utilization x the GPU's
+    memory, what is left after what is in use now (the weights, the CUDA context, other
+    processes) and the peak of a profiled step of max_num_batched_tokens tokens; but no more
+    than max_num_seqs sequences of max_model_len tokens fill, with as much again for prefix
+    caching to keep. On a CPU, room for max_num_seqs sequences of max_model_len tokens, at most
+    1 GiB. models: the target, and a draft model whose cache shares the blocks."""
+    per_token, device = kv_bytes_per_token(models), _device_of(models[0])
+    block_size, max_len = config.block_size, config.max_model_len
+    if device.type != "cuda":
+        tokens = min(config.max_num_seqs * max_len, max(max_len, 2**30 // per_token))
+        return triton.cdiv(tokens, block_size)
+    peak = profile_step_memory(models[0], block_size, config.max_num_seqs,
+                               config.max_num_batched_tokens)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = config.gpu_memory_utilization * total - (total - free) - peak
+    most = 2 * config.max_num_seqs * triton.cdiv(max_len, block_size)
+    blocks = min(int(budget // (per_token * block_size)), most)
+    if blocks < triton.cdiv(max_len, block_size):
+        raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization} leaves room for "
+                         f"{max(blocks, 0)} KV blocks, fewer than one sequence of max_model_len "
+                         f"{max_len} needs: raise it, or lower max_model_len")
+    return blocks
+
+
+def memory_size(nbytes):
+    """Bytes as GiB, or as MiB below one GiB (a tiny model's pool is not 0.00 GiB)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+@torch.inference_mode()
+def profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens):
+    """Bytes a step's activations take at their peak, beyond what is allocated now: a prefill of
+    max_num_batched_tokens tokens (one sequence) that samples max_num_seqs rows, over a cache of
+    just its own blocks (not counted)."""
+    fuse_projections(model)
+    cfg, device = model.cfg, _device_of(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    N = max_num_batched_tokens
+    blocks = triton.cdiv(N, block_size)
+    shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
+    meta = AttentionMetadata(
+        slots=torch.arange(N, device=device),
+        lengths=torch.tensor([N], device=device, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, N], device=device, dtype=torch.int32),
+        block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
+        max_q_len=N, max_len=blocks * block_size,
+        sample_rows=torch.arange(N - min(N, max_num_seqs), N, device=device))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    attention = triton_attention if model.kernels else torch_attention
+    logits = forward_packed(model, torch.zeros(N, dtype=torch.int64, device=device),
+                            torch.arange(N, device=device), kv, meta, attention)
+    Sampler()(logits, SamplingBatch([SamplingParams(temperature=1.0, top_p=0.9)] * logits.shape[0],
+                                    [[0]] * logits.shape[0], cfg.vocab_size, device))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del kv, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
+# ----------------------------------------------------------------------------------------------
 # Chapter 26. Speculative decoding: proposing k tokens, verifying them in one forward
 # ----------------------------------------------------------------------------------------------
-# A decode step is memory-bound: it reads every weight (and the KV cache) to make one token a
-# sequence, and the arithmetic units mostly wait. Scoring k + 1 positions reads the same bytes,
-# so it costs about one step. A cheap proposer guesses the next k tokens (an n-gram lookup in
-# the context, or a small draft model), the target scores them all in one forward, and a step
-# emits every guess the target accepts plus one token of its own: 1 to k + 1 tokens a step.
-#
-# What keeps the output exact (Leviathan et al. 2023, Chen et al. 2023): the target's
-# distribution p and the draft's q at a position; the draft token x ~ q is accepted with
-# probability min(1, p(x) / q(x)), and on a rejection the token comes from the residual
-# (p - q)+ / sum (p - q)+. Then P(y) = min(p(y), q(y)) + (1 - sum min(p, q)) (p(y) - q(y))+ /
-# sum (p - q)+ = min(p(y), q(y)) + (p(y) - q(y))+ = p(y), since sum (p - q)+ = 1 - sum min(p, q).
-# An n-gram proposer is a point mass q = 1 at x: accept with probability p(x), else draw from p
-# without x. Greedy rows accept a draft token iff it is the argmax, and so reproduce plain greedy
-# decoding token for token. Shapes: B rows, K draft positions, V the vocabulary.
+# A decode step is memory-bound: it reads every weight and the KV cache for one token a
+# sequence, and scoring k + 1 positions reads the same bytes. So a cheap proposer (an n-gram
+# lookup in the context, or a small draft model) guesses k tokens, the target scores them in one
+# forward, and the step emits the guesses it accepts plus one token of its own.
+# Why the output keeps the target's distribution p exactly (Leviathan et al. 2023, Chen et al.
+# 2023): x drawn from the draft's q is accepted with probability min(1, p(x) / q(x)), and a
+# rejection draws from the residual (p - q)+ / sum (p - q)+. As sum (p - q)+ = 1 - sum min(p, q),
+#   P(y) = min(p(y), q(y)) + (1 - sum min(p, q)) (p(y) - q(y))+ / sum (p - q)+
+#        = min(p(y), q(y)) + (p(y) - q(y))+ = p(y).
+# An n-gram proposal is a point mass q = 1 at x: accept with probability p(x), else draw from p
+# without x. Greedy rows accept x iff it is the argmax, so they reproduce greedy decoding.
+# Shapes: B rows, K draft positions, V the vocabulary.
 
 
 def ngram_propose(token_ids, k, max_n=4, min_n=1):
-    """Prompt lookup: for n from max_n down to min_n, the most recent earlier occurrence of the
-    last n tokens that k tokens followed, else the earliest one, and the up to k tokens that
-    followed it; [] when no n-gram recurs. (In a run of one repeated token, the most recent
-    occurrence ends just before the suffix and is followed by a single token; an earlier one
-    proposes k copies of it.) token_ids: a list of ints or a 1-D integer array (an engine that keeps
-    one array a sequence saves the conversion, which costs more than the search)."""
+    """Prompt lookup: the up to k tokens that followed an earlier occurrence of the last n tokens,
+    for the largest n in min_n..max_n that recurs; [] when none does. The occurrence is the most
+    recent one that k tokens follow, else the earliest (in a run of one repeated token, the most
+    recent is followed by a single token). token_ids: a list of ints or a 1-D integer array."""
     ids = np.asarray(token_ids, dtype=np.int64)
     last = len(ids) - 1
     if last < 1 or k < 1:
         return []
-    # Where the last token occurred before: the ends of the 1-gram matches. Each longer n keeps
-    # the ends whose n-th token back also matches: one pass over the sequence, then a few over
-    # a handful of candidates, not an n-gram compare at every position.
+    # The ends of the 1-gram matches; each longer n keeps those whose n-th token back matches
+    # too: one pass over the sequence, then a few over a handful of candidates.
     ends = np.flatnonzero(ids[:last] == ids[last])  # (C,) ascending
     match = None
     for n in range(1, max_n + 1):
@@ -3051,18 +4109,15 @@ def ngram_propose(token_ids, k, max_n=4, min_n=1):
 def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, greedy=None,
                      generators=None):
     """Accept a prefix of each row's draft and add one token, so that the tokens follow the
-    target's distribution exactly.
+    target's distribution exactly (the derivation above). No host sync.
 
-    target_probs (B, K+1, V): the target's sampling distribution at each position (position i:
-    the token after the first i draft tokens). draft_tokens (B, K) int64, past num_draft
-    anything; num_draft (B,) int64 in 0..K, on the device. draft_probs (B, K, V): the draft's
-    distributions; None: a deterministic proposer (n-gram), a point mass at each draft token.
-    greedy (B,) bool or None: rows that take the argmax. generators: {row: generator} for the
-    seeded rows, as in `draw`; a seeded row draws K uniforms, then V for its last token.
-
-    Returns tokens (B, K+1) int64: the accepted draft tokens, then the one drawn token, then -1;
-    and num_accepted (B,) int64: row b emits num_accepted[b] + 1 tokens. No host sync.
-    """
+    target_probs (B, K+1, V): the target's distribution at each position (i: after the first i
+    draft tokens). draft_tokens (B, K) int64, anything past num_draft (B,) int64 in 0..K, on the
+    device. draft_probs (B, K, V), or None for a point mass at each draft token (n-gram). greedy
+    (B,) bool or None: rows that take the argmax. generators: {row: generator} for seeded rows,
+    as in `draw` (a seeded row draws K uniforms, then V for its last token).
+    Returns tokens (B, K+1) int64 (the accepted drafts, the drawn token, then -1) and
+    num_accepted (B,) int64: row b emits num_accepted[b] + 1 tokens."""
     B, K1, V = target_probs.shape
     K, device = K1 - 1, target_probs.device
     rows, positions = torch.arange(B, device=device), torch.arange(K, device=device)
@@ -3087,9 +4142,8 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
             residual = p.scatter(-1, drafts[rows, at][:, None], 0.0)  # (B, V)
         else:
             residual = (p - draft_probs[rows, at]).clamp(min=0)  # (B, V)
-        # The race needs weights, not probabilities, so the residual stays unnormalized. An all
-        # zero one (p <= q everywhere, so p = q) is rejected with probability 0, but rounding can
-        # reach it, and a race over zeros would return token 0: p is the safe fallback.
+        # The race takes weights, so the residual stays unnormalized. Rounding can leave it all
+        # zero (p <= q everywhere means p = q), and a race over zeros returns token 0: use p.
         weights = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p)
     last = draw(weights, generators or {})  # (B,)
     if greedy is not None:
@@ -3100,30 +4154,29 @@ def rejection_sample(target_probs, draft_tokens, num_draft, draft_probs=None, gr
     return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
 
 
-# The proposers. Each sets, for the sequences it is given, draft_tokens (at most k each) and,
-# when it has one, draft_probs: the distribution each draft token was drawn from.
-# Speculation pays while a step's accepted drafts are worth more than the verification costs.
-# A sequence whose mean accepted drafts a step falls below min_accepted stops proposing, and
-# proposes once every SPEC_PROBE_STEPS steps to measure again (LLMEngine._speculating). A verified
-# step costs more than a plain one: it waits for its tokens (no overlap with the next step) and
-# runs k + 1 rows a sequence. Measured with k = 4 on the H200 (bench_speculative), n-gram lookup
-# breaks even at about 1.2 accepted drafts a step at batch 1 and 1.4 at batch 32: hence
-# SPEC_MIN_ACCEPTED. A draft model adds its own k steps, each costing about its share of the
-# target's weights (decode reads them all): make_proposer adds k times that share.
+# When speculation pays. A verified step costs more than a plain one: it waits for its tokens
+# (no overlap with the next step) and runs k + 1 rows a sequence. So a sequence whose mean
+# accepted drafts a step falls below min_accepted stops proposing, and probes again every
+# SPEC_PROBE_STEPS steps; n-gram lookup with k = 4 broke even near 1.2 (bench_speculative),
+# hence SPEC_MIN_ACCEPTED. A draft model's own k steps raise that bar (make_speculator). And a
+# proposing step holds back the whole batch: speculation runs only while the gains above
+# min_accepted add up to SPEC_SYNC_COST tokens a sequence of the batch.
 SPEC_MIN_ACCEPTED = 1.0
 SPEC_PROBE_STEPS = 32
-# A step whose tokens the host needs before the next one starts (to propose from them) cannot
-# overlap it: at batch 32 such a step took 3.2 ms against 1.9 for an overlapped one, 0.7 of a
-# token a sequence. Speculation runs only while the speculating sequences' accepted drafts above
-# min_accepted add up to that much a sequence of the batch.
 SPEC_SYNC_COST = 0.7
 SPEC_SPLIT_CATCH_UP = 8  # a draft's catch-up of up to this many tokens runs as one-token rows
 
 
-class NgramProposer:
-    """Prompt lookup (ngram_propose): the tokens that followed an earlier occurrence of the
-    sequence's last n tokens. No model and no cache: it costs a search a sequence, and proposes nothing
-    where the text has not repeated itself."""
+class Proposer:
+    """Sets each given sequence's draft_tokens (at most its k) and, for drafts drawn from a
+    distribution, draft_probs (k, V), which rejection_sample needs."""
+
+    def propose(self, seqs, ks):
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (ngram_propose): no model and no cache."""
 
     def __init__(self, max_n=4):
         self.max_n = max_n
@@ -3133,13 +4186,11 @@ class NgramProposer:
             seq.draft_tokens = ngram_propose(np.asarray(seq.token_ids), k, self.max_n)
 
 
-class DraftProposer:
-    """A smaller model over the same vocabulary proposes k tokens a sequence, one decode step at a
-    time, each drawn from its own distribution q (the argmax for a greedy request), which the
-    rejection sampler needs. It runs on a ModelRunner of its own, whose cache is indexed by the
-    target's block tables: a block holds the target's keys and values in the target's pool and
-    the draft's in the draft's. Each proposal first catches the draft up on the tokens it has not
-    seen (a whole prompt at first, then the verified tokens) in one packed step."""
+class DraftProposer(Proposer):
+    """A smaller model over the same vocabulary proposes k tokens, one decode step at a time,
+    each drawn from its distribution q (the argmax for a greedy request). Its ModelRunner shares
+    the target's block tables (a block id names slots in each model's pool), and each proposal
+    first catches it up on the tokens it has not seen, in one packed step."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -3158,7 +4209,7 @@ class DraftProposer:
                 entries.append((ids, None, start, seq.block_table, 1))
         drafts, probs, active = [[] for _ in seqs], [[] for _ in seqs], list(range(len(seqs)))
         for _ in range(max(ks)):
-            logits = runner.forward(entries, previous)  # (B, V): each active sequence's next
+            logits = runner.run(entries, previous)  # (B, V): each active sequence's next
             batch = runner.sampling_batch([seqs[i] for i in active])
             q = Sampler.probs(logits.float(), batch)  # (B, V)
             tokens = torch.where(batch.greedy, q.argmax(dim=-1), draw(q, batch.generators))
@@ -3182,54 +4233,84 @@ class DraftProposer:
             seq.num_draft_computed = seq.num_tokens + len(draft) - 1
 
 
-def make_proposer(spec, model, num_blocks, block_size, max_model_len, enforce_eager):
-    """(proposer, k, min_accepted) of LLM's speculative argument: {"method": "ngram" | "draft",
-    "num_tokens": k (default 4), "model": the draft (a Qwen3, a directory or a Hub id; with
-    "draft"), "max_n" (ngram; default 4), "min_accepted" (default SPEC_MIN_ACCEPTED, plus k
-    times the draft model's size over the target's)}."""
-    if not isinstance(spec, dict):
-        raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': "
-                        f"4}}, not {type(spec).__name__}")
-    known = {"method", "num_tokens", "model", "max_n", "min_accepted"}
-    if set(spec) - known:
-        raise ValueError(f"speculative: unknown keys {sorted(set(spec) - known)}; known: "
-                         f"{sorted(known)}")
-    method, k = spec.get("method"), spec.get("num_tokens", 4)
-    min_accepted = spec.get("min_accepted", SPEC_MIN_ACCEPTED)
-    if not _is_int(k) or not 1 <= k <= 16:
-        raise ValueError(f"speculative: num_tokens = {k!r} must be an int from 1 to 16")
-    if not _is_number(min_accepted) or min_accepted < 0:
-        raise ValueError(f"speculative: min_accepted = {min_accepted!r} must be a number >= 0")
-    if method == "ngram":
-        if "model" in spec:
-            raise ValueError("speculative: n-gram lookup takes no model")
-        max_n = spec.get("max_n", 4)
-        if not _is_int(max_n) or max_n < 1:
-            raise ValueError(f"speculative: max_n = {max_n!r} must be a positive int")
-        return NgramProposer(max_n), k, min_accepted
-    if method != "draft":
-        raise ValueError(f"speculative: method = {method!r} must be 'ngram' or 'draft'")
-    draft = spec.get("model")  # (LLM has loaded a directory's or a Hub id's)
+class Speculator:
+    """After each step: the drafts verified update each sequence's acceptance, and the sequences
+    that speculate propose for the next step, which ModelRunner._verify checks with the rest."""
+
+    def __init__(self, proposer, num_tokens, min_accepted):
+        self.proposer, self.num_tokens, self.min_accepted = proposer, num_tokens, min_accepted
+
+    def after_step(self, handle, engine, step):
+        """handle: the step just read (None if it ran nothing); step: the engine's step count."""
+        if handle is not None:
+            tokens, _ = handle.wait()
+            for seq, new, k in zip(handle.seqs, tokens, handle.num_drafts):
+                if k:
+                    engine.counts.update(verified=1, drafted=k, accepted=len(new) - 1)
+                    seq.mean_accepted = (0.7 * min(seq.mean_accepted, self.num_tokens)
+                                         + 0.3 * (len(new) - 1))
+        self.draft_next_step(engine.scheduler.running, engine.block_manager, step)
+
+    def needs_tokens(self, running, step):
+        """Whether the step needs its tokens on the host: to verify drafts, or to propose."""
+        return any(seq.draft_tokens for seq in running) or bool(self.speculating(running, step))
+
+    def speculating(self, running, step):
+        """Who proposes after this step: not sequences under structured output, penalties or
+        logprobs (verification samples without them), nor, outside probe steps, those below
+        min_accepted; none unless the gains pay SPEC_SYNC_COST; with min_accepted = 0, all."""
+        probe = step % SPEC_PROBE_STEPS == 0
+        seqs = [seq for seq in running if seq.grammar is None and not seq.params.has_penalties
+                and seq.params.logprobs is None
+                and (probe or seq.mean_accepted >= self.min_accepted)]
+        gain = sum(min(seq.mean_accepted, self.num_tokens) - self.min_accepted for seq in seqs)
+        always = probe or self.min_accepted == 0
+        return seqs if always or gain >= SPEC_SYNC_COST * len(running) else []
+
+    def draft_next_step(self, running, block_manager, step):
+        """Drafts, and the blocks they need, for the next step of each sequence that speculates."""
+        seqs, ks = [], []
+        for seq in self.speculating(running, step):
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
+                continue  # (still holding drafts: it sat this step out, and they wait for the next)
+            k = min(self.num_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            if k >= 1 and block_manager.grow(seq.block_table, seq.num_tokens + k):
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            self.proposer.propose(seqs, ks)
+        for seq in seqs:
+            if not seq.draft_tokens:  # nothing to propose: speculation gained nothing this step
+                seq.mean_accepted = 0.7 * min(seq.mean_accepted, self.num_tokens)
+
+
+def make_speculator(spec, model, num_blocks, block_size, max_model_len, enforce_eager):
+    """The Speculator of EngineConfig.speculative (checked there): {"method": "ngram" | "draft",
+    "num_tokens": k (4), "model": a Qwen3 (LLM loads a directory or a Hub id), "max_n" (ngram;
+    4), "min_accepted" (SPEC_MIN_ACCEPTED, plus k times the draft's size over the target's)}."""
+    k, min_accepted = spec.get("num_tokens", 4), spec.get("min_accepted", SPEC_MIN_ACCEPTED)
+    if spec["method"] == "ngram":
+        return Speculator(NgramProposer(spec.get("max_n", 4)), k, min_accepted)
+    draft = spec["model"]
     if not isinstance(draft, Qwen3):
         raise ValueError("speculative: 'draft' needs a model: a Qwen3, a directory or a Hub id")
     if draft.cfg.vocab_size != model.cfg.vocab_size or _device_of(draft) != _device_of(model):
         raise ValueError(f"speculative: the draft model must share the target's vocabulary "
                          f"({model.cfg.vocab_size}) and device ({_device_of(model)}), not "
                          f"{draft.cfg.vocab_size} on {_device_of(draft)}")
-    if "min_accepted" not in spec:  # a draft as large as the target: 5.6 at batch 1, 6.4 at 32
+    if "min_accepted" not in spec:  # each draft step costs about its share of a target step
         share = sum(p.numel() for p in draft.parameters()) / sum(
             p.numel() for p in model.parameters())
         min_accepted += k * share
     runner = ModelRunner(draft.eval(), num_blocks, block_size, max_model_len, enforce_eager)
-    return DraftProposer(runner), k, min_accepted
+    return Speculator(DraftProposer(runner), k, min_accepted)
 
 
 # ----------------------------------------------------------------------------------------------
 # Chapter 34. Structured output: a regex, a choice or a JSON schema as a mask over the vocabulary
 # ----------------------------------------------------------------------------------------------
-#
-# A constraint is compiled once into a deterministic automaton over BYTES; then at every decode
-# step the sampler forbids each token whose bytes would walk that automaton off its live states:
+# A constraint is compiled once into a deterministic automaton over BYTES; at every decode step
+# the sampler forbids each token whose bytes would walk that automaton off its live states:
 #
 #   regex / choice / json_schema ──parse──▶ tree of character sets (Chars, Concat, Alt, Repeat)
 #       ──Thompson──▶ NFA over bytes (each character set spelled out as its UTF-8 byte ranges)
@@ -3237,16 +4318,13 @@ def make_proposer(spec, model, num_blocks, block_size, max_model_len, enforce_ea
 #       ──TokenMasker──▶ per state, the bool mask of allowed tokens (a trie walk, then cached)
 #
 # Why bytes: a byte-level BPE token may end inside a character ("é" is two bytes and a token
-# may hold only the first), so the automaton must be able to stop between the bytes of one
-# character. Why a DFA: a request's grammar state is then one int, advancing it is a table
-# lookup, and a mask can be cached per state.
-#
-# In the engine: SamplingParams compiles its constraint on construction (compile_grammar,
-# cached), so a bad one fails at once; LLM's GrammarCache hands each request the TokenMasker of
-# its constraint; a Sequence advances its state with each token; the ModelRunner collects the
-# step's masks and the Sampler applies them before anything else (apply_token_masks, no host
-# sync); the Scheduler stops a request once its automaton is finished (accepting, and no byte
-# may follow).
+# may hold only the first), so the automaton must be able to stop between a character's bytes.
+# Why a DFA: a request's grammar state is then one int, advancing it is a table lookup, and a
+# mask can be cached per state.
+# In the engine: SamplingParams compiles its constraint (compile_grammar, cached), so a bad one
+# fails at once; GrammarCache hands each request its TokenMasker; a Sequence advances its state
+# with each token; the Sampler applies the masks first (apply_token_masks); the Scheduler stops
+# a request whose automaton is finished (accepting, and no byte may follow).
 
 DEAD = -1  # the automaton's "no match possible any more" state
 MAX_CODE_POINT = 0x10FFFF
@@ -3258,8 +4336,8 @@ class GrammarError(ValueError):
     """A regex, choice or JSON schema this stage cannot compile; the message says what."""
 
 
-# The tree every constraint is parsed into: a character is a set of code points, and everything
-# else is concatenation, alternation, repetition, and Separated for a JSON object's body.
+# The tree every constraint is parsed into: a character is a set of code points; the rest is
+# concatenation, alternation, repetition, and Separated for a JSON object's body.
 
 @dataclass(frozen=True)
 class Chars:
@@ -3285,10 +4363,9 @@ class Repeat:
 
 @dataclass(frozen=True)
 class Separated:
-    """Items in order, each (node, required), with `sep` between the items present: a JSON
-    object whose optional properties may be left out. Spelled with Concat and Alt, every
-    property would be repeated once per choice of the first one present; as a node of its own
-    the NFA holds each property once."""
+    """Items in order, each (node, required), with `sep` between those present: a JSON object
+    whose optional properties may be left out. With Concat and Alt, each property would repeat
+    once per choice of the first one present; as a node of its own, the NFA holds it once."""
     items: tuple
     sep: object
 
@@ -3305,8 +4382,7 @@ def char_set(ranges, negate=False):
     if negate:  # the gaps: before the first range, between two, after the last
         bounds = [-1, *(x for pair in merged for x in pair), MAX_CODE_POINT + 1]
         merged = [(hi + 1, lo - 1) for hi, lo in zip(bounds[::2], bounds[1::2])]
-    # each range minus the surrogate block: the part below it and the part above it (empty
-    # pieces, lo > hi, are dropped)
+    # each range minus the surrogates: the pieces below and above them (empty ones dropped)
     pieces = [p for lo, hi in merged for p in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi))]
     return Chars(tuple((lo, hi) for lo, hi in pieces if lo <= hi))
 
@@ -3330,12 +4406,9 @@ def optional(node):
 
 
 # ----------------------------------------------------------------------------------------------
-# Regex → tree. The subset, matched in full (as re.fullmatch): characters; '.' (any but a
-# newline); \d \w \s and \D \W \S with ASCII meanings (as Python's re.ASCII: [0-9], [0-9A-Za-z_],
-# [\t\n\v\f\r ]); \n \t \r \xhh \uhhhh and a backslash before punctuation; classes [...] of
-# those, with ranges and ^ negation; groups (...) and (?:...); alternation |; quantifiers
-# ? * + {m} {m,} {m,n}. Anything else (anchors, lookaround, backreferences, flags, lazy
-# quantifiers, a bare '{', other escapes) is an error that quotes it and lists the subset.
+# Regex → tree: REGEX_SUBSET, matched in full (as re.fullmatch); '.' is any but a newline, and
+# \d \w \s mean what they mean under re.ASCII. Anything else (anchors, lookaround, backreferences,
+# flags, lazy quantifiers, a bare '{', other escapes) is an error that quotes it.
 # ----------------------------------------------------------------------------------------------
 
 REGEX_SUBSET = (r"characters, ., \d \w \s \D \W \S \n \t \r \xhh \uhhhh, escaped punctuation, "
@@ -3351,7 +4424,6 @@ ANY_BUT_NEWLINE = char_set([(0x0A, 0x0A)], negate=True)
 
 class RegexParser:
     """Recursive descent over the subset above, one method per rule:
-
         alternation   := concatenation ('|' concatenation)*
         concatenation := repetition*
         repetition    := atom [quantifier]
@@ -3483,15 +4555,11 @@ class RegexParser:
 
 
 # ----------------------------------------------------------------------------------------------
-# JSON schema → tree. The subset: "type" object (with "properties", and "required" naming some
-# of them), array (with "items"), string, integer, number, boolean or null; "enum" and "const"
-# (alone or with a matching "type"); nested at any depth. Annotations (title, description, ...)
-# are ignored, and so is additionalProperties: properties beyond "properties" are never
-# written. Any other keyword is an error naming it.
-#
-# The output is compact JSON: no whitespace, properties in their declared order (optional ones
-# may be left out). Strings hold any character but '"', '\' and controls below U+0020, which
-# must be escaped; a \u escape names no surrogate. Integers have no fraction or exponent.
+# JSON schema → tree. The subset (JSON_SUBSET): "type" object, array, string, integer, number,
+# boolean or null, nested at any depth; "enum" and "const", alone or with a matching "type".
+# Annotations and additionalProperties are ignored (no property beyond "properties" is
+# written); any other keyword is an error naming it. The output is compact JSON: no whitespace,
+# properties in declared order, strings escaping '"', '\' and controls, no surrogate \u escapes.
 # ----------------------------------------------------------------------------------------------
 
 JSON_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
@@ -3626,7 +4694,7 @@ class ByteNFA:
     def __init__(self, tree):
         self.eps, self.edges = [], []
         self.start = self.new_state()
-        self.accept = self.add(tree, self.start)
+        self.accept = self.add_node(tree, self.start)
 
     def new_state(self):
         self.eps.append([])
@@ -3641,20 +4709,20 @@ class ByteNFA:
                 self.eps[s].append(end)
         return end
 
-    def add(self, node, start):
+    def add_node(self, node, start):
         """Add `node`'s states, entered at `start`; returns the state where the node is matched.
         No construction loops back to its `start`, so alternatives may share it."""
         if isinstance(node, Chars):
             return self.add_chars(node, start)
         if isinstance(node, Concat):
             for part in node.parts:
-                start = self.add(part, start)
+                start = self.add_node(part, start)
             return start
         if isinstance(node, Repeat):
             return self.add_repeat(node, start)
         if isinstance(node, Separated):
             return self.add_separated(node, start)
-        return self.join([self.add(option, start) for option in node.options])
+        return self.join([self.add_node(option, start) for option in node.options])
 
     def add_chars(self, node, start):
         """One character as UTF-8: a byte-range chain per sequence; chains with the same tail
@@ -3676,15 +4744,15 @@ class ByteNFA:
 
     def add_repeat(self, node, start):
         for _ in range(node.lo):
-            start = self.add(node.node, start)
+            start = self.add_node(node.node, start)
         if node.hi is None:  # a fresh loop state, so the loop cannot re-enter what led here
             loop = self.join([start])
-            self.eps[self.add(node.node, loop)].append(loop)
+            self.eps[self.add_node(node.node, loop)].append(loop)
             return loop
         stops = []  # x{0,3} as (x(x(x)?)?)?: each place the match may stop leads to the end
         for _ in range(node.hi - node.lo):
             stops.append(start)
-            start = self.add(node.node, start)
+            start = self.add_node(node.node, start)
         return self.join(stops + [start])
 
     def add_separated(self, node, start):
@@ -3692,8 +4760,8 @@ class ByteNFA:
         `some` (an item written: the next needs a separator). Each item is built once."""
         empty, some = start, None
         for item, required in node.items:
-            after_sep = None if some is None else self.add(node.sep, some)
-            done = self.add(item, self.join([empty, after_sep]))
+            after_sep = None if some is None else self.add_node(node.sep, some)
+            done = self.add_node(item, self.join([empty, after_sep]))
             if required:
                 empty, some = None, done
             else:  # skipping the item keeps both states; writing it leads to `some`
@@ -3781,8 +4849,7 @@ def trim(trans, accepting):
                 stack.append(s)
     if not live[0]:
         raise GrammarError("the constraint matches no text at all")
-    # old state → new state, DEAD for a removed one; one more DEAD at the end, where trans's
-    # DEAD (-1) indexes
+    # old state → new state, DEAD for a removed one; a last DEAD for trans's DEAD (-1) to index
     new_id = np.append(np.where(live, np.cumsum(live) - 1, DEAD), DEAD).astype(np.int32)
     return ByteDFA(new_id[trans][live], accepting[live])
 
@@ -3813,8 +4880,7 @@ def constraint_key(regex=None, choice=None, json_schema=None):
 def compile_grammar(regex=None, choice=None, json_schema=None):
     """The ByteDFA of exactly one of: a regex (full match), a choice (a list of strings, one of
     which is the whole output) or a JSON schema (a dict or its JSON text); None if none given.
-    Compiled once per distinct constraint (cached), so validating SamplingParams costs nothing
-    when the engine compiles the same constraint again."""
+    Cached: the engine's compile of a constraint that SamplingParams validated is free."""
     key = constraint_key(regex, choice, json_schema)
     return None if key is None else _compile(*key)
 
@@ -3833,12 +4899,9 @@ def _compile(kind, text):
 # ----------------------------------------------------------------------------------------------
 # Token masks: which tokens each automaton state allows, by walking a trie of the vocabulary
 # ----------------------------------------------------------------------------------------------
-#
-# Walking the 151,936 tokens one by one through the DFA in Python costs 50-120 ms per state
-# (measured on the bench's vocabulary). A trie shares the work of common prefixes, and walking
-# it level by level with numpy turns a level into a few array operations over its live nodes;
-# a subtree whose prefix dies is never visited: after `{"na` only the tokens that go on with
-# `me"` (and its prefixes) survive. The bench prints what a state costs this way.
+# Walking the 151,936 tokens one by one through the DFA in Python costs 50-120 ms a state. A
+# trie shares the work of common prefixes, and a level-by-level walk with numpy makes a level a
+# few array operations over its live nodes; a subtree whose prefix dies is never visited.
 
 class TokenTrie:
     """The vocabulary's byte strings as a trie, stored level by level. Level d holds the distinct
@@ -3847,7 +4910,7 @@ class TokenTrie:
         first_child[d][n], n_children[d][n]  its children, in level d+1
         token[d][n]                          the token whose bytes end here, or V if none does
     An id that spells the same bytes as an earlier one (alias_ids) takes its verdict (alias_of).
-    Built once per vocabulary (a second or two for 151,936 tokens), shared by every grammar."""
+    Built once per vocabulary, shared by every grammar."""
 
     def __init__(self, vocab):
         self.vocab, self.V = vocab, len(vocab)
@@ -3855,8 +4918,7 @@ class TokenTrie:
         for i, data in enumerate(vocab):
             if data and first.setdefault(bytes(data), i) != i:
                 aliases.append((i, first[bytes(data)]))
-        # Every byte must be a token of its own (as in every byte-level BPE): then every live
-        # state allows some token, and a mask is never empty.
+        # every byte a token of its own (as in byte-level BPE): no live state's mask is empty
         missing = sorted(set(range(256)) - {t[0] for t in first if len(t) == 1})
         if missing:
             raise GrammarError(f"the vocabulary lacks single-byte tokens for bytes {missing[:8]}"
@@ -3877,7 +4939,7 @@ class TokenTrie:
             self.first_child.append(np.cumsum(n) - n)
             self.n_children.append(n)
 
-    def walk(self, trans, state):
+    def allowed(self, trans, state):
         """(V + 1,) bool: the tokens whose every byte moves the DFA `trans` from `state` to a
         live state (the last slot collects the nodes that end no token)."""
         allowed = np.zeros(self.V + 1, dtype=bool)
@@ -3902,8 +4964,7 @@ class TokenTrie:
 
 class TokenMasker:
     """One constraint over one vocabulary: a request's grammar state is one int, from `start`.
-    A state's mask is computed the first time it is met and cached on `device` as a (V,) bool
-    tensor, so a state seen before costs a dict lookup."""
+    A state's (V,) bool mask is computed when first met, then cached on `device`."""
 
     start = 0
 
@@ -3918,16 +4979,15 @@ class TokenMasker:
         if state not in self.masks:
             if state == DEAD:
                 raise ValueError("the dead state allows no token")
-            allowed = self.trie.walk(self.dfa.trans, state)[:-1]
+            allowed = self.trie.allowed(self.dfa.trans, state)[:-1]
             allowed[self.eos_ids] = self.dfa.accepting[state]
             mask, on_gpu = torch.from_numpy(allowed), torch.device(self.device).type == "cuda"
-            # pinned and non_blocking: the copy queues behind the forward pass running on the
-            # GPU instead of making the host wait for it
+            # pinned and non_blocking: the copy queues behind the running forward; no host wait
             self.masks[state] = (mask.pin_memory() if on_gpu else mask).to(self.device,
                                                                             non_blocking=on_gpu)
         return self.masks[state]
 
-    def advance(self, state, token_id):
+    def next_state(self, state, token_id):
         """The state after `token_id`: DEAD if the mask did not allow it. End-of-sequence leaves
         an accepting state as it is (the request is over)."""
         if state == DEAD:
@@ -3940,15 +5000,14 @@ class TokenMasker:
     def is_accepting(self, state):
         return state != DEAD and bool(self.dfa.accepting[state])
 
-    def is_finished(self, state):
+    def is_complete(self, state):
         """Accepting with no byte that may follow: generation stops here, without sampling."""
         return state != DEAD and bool(self.dfa.finished[state])
 
 
 def apply_token_masks(logits, masks):
     """Forbid, in place, what each row's grammar forbids. logits (B, V); masks: B entries, each
-    a TokenMasker mask on logits' device or None for an unconstrained row. One stack and one
-    masked_fill: nothing is read back, so a GPU step stays asynchronous."""
+    a TokenMasker mask on logits' device or None (unconstrained). Reads nothing back."""
     if all(m is None for m in masks):
         return logits
     everything = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -3957,9 +5016,8 @@ def apply_token_masks(logits, masks):
 
 
 class GrammarCache:
-    """The engine's: the vocabulary's trie, built once, and the TokenMaskers of the `capacity`
-    most recent constraints, so that requests with the same constraint share their masks. A
-    request holds on to its TokenMasker, so an eviction never disturbs one."""
+    """The vocabulary's trie, built once, and the TokenMaskers of the `capacity` most recent
+    constraints, shared by their requests (each keeps its own, so an eviction disturbs none)."""
 
     def __init__(self, vocab, eos_ids, device="cpu", capacity=32):
         self.trie, self.eos_ids, self.device = TokenTrie(vocab), eos_ids, device
@@ -3978,1246 +5036,9 @@ class GrammarCache:
         return self.maskers[key]
 
 
-# ----------------------------------------------------------------------------------------------
-# Chapter 16. The engine
-# ----------------------------------------------------------------------------------------------
-# Requests flow one way through small parts (see ENGINE.md): a prompt becomes a Sequence, the
-# Scheduler picks the sequences of the next step and how many tokens each runs, the BlockManager
-# hands out the blocks of the KV cache they need, the ModelRunner packs them into one forward
-# pass and samples, each Sequence takes its new tokens, and the requests that advanced come back
-# as RequestOutputs. The model never sees a Sequence and the scheduler never sees a tensor.
-# LLMEngine.step is the loop's body; LLM.generate runs it until every request is done, and stage
-# 08's server calls it from its own loop.
-
-class SequenceStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-class Sequence:
-    """One request: its token ids (the prompt, then the output), its sampling rules and where it
-    stands. Its status goes WAITING -> RUNNING -> FINISHED, back to WAITING when it is
-    preempted, changed by the scheduler only. The keys and values of its first
-    num_computed_tokens tokens are in the cache (or being written by a launched step), in the
-    blocks of block_table; under async scheduling num_pending more tokens were sampled on the
-    device and are not read back yet."""
-
-    def __init__(self, request_id, prompt_token_ids, params, max_tokens, vocab_size, grammar=None,
-                 generator=None):
-        self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
-        self.params = params
-        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
-        self.grammar = grammar  # structured output's TokenMasker, or None
-        self.grammar_state = None if grammar is None else grammar.start  # its automaton's state
-        self.generator = generator  # a seeded request's own random stream
-        self.sampling_row = sampling_row(params, vocab_size)  # its numbers, for SamplingBatch
-        # its next step needs its last token on the host (LLMEngine._needs_tokens)
-        self.needs_tokens = grammar is not None or params.has_penalties
-        self.status = SequenceStatus.WAITING
-        self.finish_reason = None
-        self.stop_token_id = None  # the eos or stop id that ended it, if one did: not text
-        self.logprobs = [] if params.logprobs is not None else None  # one {id: logprob} a token
-        self.block_table = []
-        self.num_computed_tokens = 0
-        self.num_pending = 0
-        # speculative decoding: the tokens proposed for the next step (and a draft model's
-        # probabilities for them, (k, V)), the positions the draft model has in its cache, and
-        # the mean number of drafts accepted a step (a moving average, from all k accepted)
-        self.draft_tokens, self.draft_probs = [], None
-        self.num_draft_computed = 0
-        self.mean_accepted = math.inf
-
-    @property
-    def num_tokens(self):
-        return len(self.token_ids) + self.num_pending
-
-    @property
-    def num_output_tokens(self):
-        return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self):
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self):
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def is_finished(self):
-        return self.status is SequenceStatus.FINISHED
-
-    def append(self, token, logprobs=None):
-        self.token_ids.append(token)
-        if self.logprobs is not None:
-            self.logprobs.append(logprobs)
-        if self.grammar is not None:
-            self.grammar_state = self.grammar.advance(self.grammar_state, token)
-            assert self.grammar_state != DEAD, f"token {token} was sampled against its mask"
-
-
-@dataclass
-class RequestOutput:
-    """A request's result: what generate returns for a prompt, and what LLMEngine.step returns
-    for each request that advanced (then token_ids so far, and finish_reason None until the
-    request ends)."""
-    prompt_token_ids: list
-    token_ids: list  # the generated ids, the eos or stop id that ended the request included
-    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
-    #                   (skip_special_tokens), without special tokens; None without a tokenizer,
-    #                   and until the request ends
-    finish_reason: str | None  # "stop": an eos or stop id, or structured output complete;
-    #                            "length": max_tokens or the context limit; "abort"
-    logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
-    #                               id and the top ones
-    request_id: object = None
-
-    @property
-    def finished(self):
-        return self.finish_reason is not None
-
-
-# ----------------------------------------------------------------------------------------------
-# Chapter 25. The paged KV cache: blocks and block tables; chapter 31: prefix caching
-# ----------------------------------------------------------------------------------------------
-# The model runner's cache is a pool of num_blocks blocks of block_size token slots, and each
-# sequence owns a block table: the ids of its blocks, in token order. Paging means no sequence
-# reserves slots for its longest possible length up front; it takes a block when it needs one,
-# so the only waste is the unfilled tail of each sequence's last block.
-#
-# Sequences whose prompts start alike (a system prompt, a chat's earlier turns) share the blocks
-# of that prefix instead of computing them again, so a block carries a reference count: the
-# number of tables that hold it. A full block is named by a chained hash, of its tokens and of
-# its parent block's hash, because its keys and values depend on every token before it, not on
-# its own tokens alone. A cached block whose count falls to 0 keeps its contents and its name
-# and may still be found by a later prompt; it is reused for other tokens only when no block is
-# left on the free list, least recently freed first (LRU).
-#
-# Legend: a block table is a list[int] of block ids; tokens [i * block_size, (i + 1) * block_size)
-# of a sequence live in block table[i].
-
-def block_hash(parent, token_ids):
-    """The 16-byte chained hash of a full block: its parent block's hash (None for a sequence's
-    first block) and its token ids. blake2b makes a hit mean the same tokens after the same
-    prefix, not merely the same bucket."""
-    data = (parent or bytes(16)) + np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
-class BlockManager:
-    """The bookkeeping of the paged KV cache, no tensors: which blocks are free, which sequences
-    hold which, and which full blocks can be found again by their contents. A block is in exactly
-    one of three places: the free list, the evictable LRU (reference count 0, still cached), or
-    in use (held by at least one block table)."""
-
-    def __init__(self, num_blocks, block_size=16, enable_prefix_caching=True):
-        if not _is_int(num_blocks) or num_blocks < 1:
-            raise ValueError(f"BlockManager: num_blocks = {num_blocks!r} must be a positive int")
-        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"BlockManager: block_size = {block_size!r} must be a positive int "
-                             "and a power of two (the attention kernels tile by it)")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"BlockManager: enable_prefix_caching = {enable_prefix_caching!r} "
-                             "must be True or False")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.free_blocks = deque(range(num_blocks))  # count 0, nothing cached in them
-        self.ref_counts = [0] * num_blocks
-        self.hashes = [None] * num_blocks  # a full block's chained hash, registered or not
-        self.cached = {}  # hash -> the one block registered under it
-        self.evictable = OrderedDict()  # cached blocks of count 0, least recently freed first
-        self.reset_stats()
-
-    @property
-    def num_free_blocks(self):
-        return len(self.free_blocks) + len(self.evictable)
-
-    @property
-    def prefix_hit_rate(self):
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-    def reset_stats(self):
-        self.hit_tokens = self.query_tokens = 0
-
-    def blocks_needed(self, table, num_tokens):
-        return max(0, -(-num_tokens // self.block_size) - len(table))
-
-    def allocate_prefix(self, table, token_ids):
-        """At admission: append the cached blocks that begin token_ids to the empty table and
-        return how many tokens they hold. The last token is never covered, so its logits are
-        computed and the sequence's first write lands in a block of its own."""
-        assert not table, "allocate_prefix starts a block table, it does not extend one"
-        if not self.enable_prefix_caching:
-            return 0
-        bs, parent = self.block_size, None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
-            block = self.cached.get(parent)
-            if block is None:
-                break
-            if self.ref_counts[block] == 0:
-                del self.evictable[block]
-            self.ref_counts[block] += 1
-            table.append(block)
-        self.query_tokens += len(token_ids)
-        self.hit_tokens += len(table) * bs
-        return len(table) * bs
-
-    def grow(self, table, num_tokens):
-        """Append fresh blocks until the table holds num_tokens slots: all of them, or, when too
-        few blocks are free, none (False)."""
-        needed = self.blocks_needed(table, num_tokens)
-        if needed > self.num_free_blocks:
-            return False
-        for _ in range(needed):
-            if self.free_blocks:
-                block = self.free_blocks.popleft()
-            else:  # evict: new tokens will overwrite its contents, so its name must go too
-                block, _ = self.evictable.popitem(last=False)
-                del self.cached[self.hashes[block]]
-                self.hashes[block] = None
-            assert self.ref_counts[block] == 0 and self.hashes[block] is None, (
-                f"block {block} handed out while held or named")
-            self.ref_counts[block] = 1
-            table.append(block)
-        return True
-
-    def reset_prefix_cache(self):
-        """Forget every cached block no sequence holds (vLLM's reset_prefix_cache): each goes
-        back to the free list, nameless. For benchmarks, whose runs must not find the last
-        run's prompts."""
-        for block in self.evictable:
-            self.hashes[block] = None
-            self.free_blocks.append(block)
-        self.evictable.clear()
-        self.cached = {h: b for h, b in self.cached.items() if self.ref_counts[b] > 0}
-
-    def cache_full_blocks(self, table, token_ids, start, end):
-        """Tokens [start, end) now have their keys and values in the cache: name each block that
-        became full, so that later prompts can find it. Only those blocks are touched, since
-        this runs for every sequence every step."""
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
-        assert 0 <= start <= end <= len(token_ids) and end <= len(table) * bs, (start, end)
-        for i in range(start // bs, end // bs):
-            parent = self.hashes[table[i - 1]] if i else None
-            assert i == 0 or parent is not None, f"block {i} is cached before its parent"
-            h = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
-            block = table[i]
-            assert self.hashes[block] in (None, h), f"block {block}'s tokens changed"
-            # Two sequences may have computed the same block; the first stays the one found,
-            # the second keeps its hash so that its own children chain from it.
-            self.hashes[block] = h
-            self.cached.setdefault(h, block)
-
-    def free(self, table):
-        """A finished or preempted sequence lets go of its blocks. Its last block goes first, so
-        that under eviction a shared prefix loses its tail before its head."""
-        for block in reversed(table):
-            assert self.ref_counts[block] > 0, f"block {block} freed more often than taken"
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block]:
-                continue
-            if self.cached.get(self.hashes[block]) == block:
-                self.evictable[block] = None
-            else:
-                self.hashes[block] = None
-                self.free_blocks.append(block)
-        table.clear()
-
-    def check(self, tables):
-        """Assert the invariants, given the block table of every live sequence."""
-        held = Counter()
-        for table in tables:
-            assert len(set(table)) == len(table), f"a block table holds a block twice: {table}"
-            held.update(table)
-        free, evictable = set(self.free_blocks), set(self.evictable)
-        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
-        assert not free & evictable, f"blocks both free and evictable: {free & evictable}"
-        assert not (free | evictable) & held.keys(), (
-            f"blocks free or evictable but held by a table: {(free | evictable) & held.keys()}")
-        assert len(free) + len(evictable) + len(held) == self.num_blocks, (
-            f"free {len(free)} + evictable {len(evictable)} + used {len(held)} != "
-            f"{self.num_blocks} blocks")
-        unknown = (free | evictable | held.keys()) - set(range(self.num_blocks))
-        assert not unknown, f"block ids outside the pool: {unknown}"
-        for block, count in enumerate(self.ref_counts):
-            assert count == held[block], (
-                f"block {block}: reference count {count}, but {held[block]} tables hold it")
-        for h, block in self.cached.items():
-            assert self.hashes[block] == h, f"the hash map names block {block} for another hash"
-        for block in evictable:
-            assert self.cached.get(self.hashes[block]) == block, f"evictable {block} not cached"
-        for block in free:
-            assert self.hashes[block] is None, f"free block {block} still has a hash"
-        assert self.enable_prefix_caching or not self.cached, "cached blocks without caching"
-
-
-# ----------------------------------------------------------------------------------------------
-# Chapter 24. Continuous batching: the scheduler
-# ----------------------------------------------------------------------------------------------
-# A static batch runs until its longest request ends: a request that finishes early leaves its
-# row idle, and a new one waits for the whole batch. Continuous batching (Orca, Yu et al. 2022)
-# decides every step which sequences run: one that finishes leaves at once, and a waiting one
-# joins the next step. A step then mixes kinds of work: decodes of running sequences (one token
-# each) and prefills of new ones (many tokens), packed side by side into one forward pass
-# (forward_packed). Two budgets bound a step: max_num_seqs sequences and max_num_batched_tokens
-# tokens. A long prompt does not stall the decodes for a whole step of its own: it is
-# prefilled in chunks of what the budget leaves after them (chunked prefill, Agrawal et al.
-# 2023), one chunk a step. The blocks of the paged cache are the third limit: when none is left
-# for a running sequence's next token, the latest admitted sequence is preempted (vLLM's
-# recompute policy): its blocks are freed and it waits at the head of the queue, to be
-# prefilled again with everything it has generated so far.
-#
-# NEW in stage 08: prefill_first, for a server's time to first token (TTFT). A prompt packed
-# beside the running decodes waits for the whole mixed step: on the H200, Qwen3-0.6B, a
-# 512-token prompt alone takes 2.7 ms, beside 63 decodes 4.9 ms. With prefill_first a step with
-# prompt tokens to run runs those only, and the decodes wait a step (the order vLLM's first
-# scheduler kept); the server turns it on (the serving bench shows what it buys, against the
-# same run mixed). So that a stream of arrivals cannot starve the decodes, they wait at most
-# MAX_DECODE_WAIT steps in a row.
-
-MAX_DECODE_WAIT = 4  # a burst of 64 prompts of 512 tokens is 4 steps of 8,192 tokens
-
-
-class Scheduler:
-    """Which sequences run in the next step, and how many of their tokens. Running sequences
-    first, oldest first (a decode takes one token of the budget, a prompt being prefilled its
-    next chunk); then waiting ones, first come first served, while the step has budget and a
-    sequence slot left, the last one admitted possibly with a chunk of its prompt only. The
-    step's tokens never exceed the budget; a preempted sequence resumes with the output it had."""
-
-    def __init__(self, block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids,
-                 prefill_first=False):
-        self.block_manager, self.block_size = block_manager, block_manager.block_size
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.prefill_first = prefill_first
-        self.decodes_waited = 0  # steps in a row that ran prompts only while sequences decode
-        self.waiting = deque()
-        self.running = []  # in the order of admission: the last one is preempted first
-        self.num_preemptions = 0
-
-    def add(self, seq):
-        self.waiting.append(seq)
-
-    def has_unfinished(self):
-        return bool(self.waiting or self.running)
-
-    def schedule(self):
-        """[(sequence, its new tokens this step)], and each sequence's num_computed_tokens moved
-        past them. A decode's draft tokens (speculative decoding) count as new tokens, the last
-        ones, cut to what the budget leaves. With prefill_first, a step with prompt tokens to
-        run (a prompt waiting that fits, or one being prefilled in chunks) runs those only,
-        unless the decodes have already waited MAX_DECODE_WAIT steps."""
-        if (self.prefill_first and self.decodes_waited < MAX_DECODE_WAIT
-                and self._prompts_ready()):
-            decoding = any(seq.num_tokens - seq.num_computed_tokens <= 1
-                           and seq.num_output_tokens < seq.max_tokens for seq in self.running)
-            batch = self._schedule(decodes=False)
-            if batch:
-                self.decodes_waited += decoding
-                return batch
-            # (empty: the waiting prompt found no KV blocks, and the decodes must run to free some)
-        self.decodes_waited = 0
-        return self._schedule(decodes=True)
-
-    def _prompts_ready(self):
-        return bool(self.waiting and not self.waiting[0].num_pending
-                    and len(self.running) < self.max_num_seqs) or any(
-            seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running)
-
-    def _schedule(self, decodes):
-        budget, batch, preempted = self.max_num_batched_tokens, [], False
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
-                continue  # preempted in this loop, or its last token is on its way
-            needed = seq.num_tokens - seq.num_computed_tokens
-            if needed <= 1 and not decodes:
-                continue
-            n = needed + len(seq.draft_tokens)
-            if n > budget:
-                n = budget
-                seq.draft_tokens = seq.draft_tokens[:max(0, n - needed)]
-            while (seq.num_computed_tokens + n > len(seq.block_table) * self.block_size
-                   and not self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)):
-                preempted = True
-                self.preempt(self.running[-1])
-                if seq.status is not SequenceStatus.RUNNING:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                batch.append((seq, n))
-                budget -= n
-        while (self.waiting and budget and len(self.running) < self.max_num_seqs
-               and not preempted and not self.waiting[0].num_pending):
-            seq = self.waiting[0]
-            cached = self.block_manager.allocate_prefix(seq.block_table, seq.token_ids)
-            n = min(seq.num_tokens - cached, budget)
-            if not self.block_manager.grow(seq.block_table, cached + n):
-                self.block_manager.free(seq.block_table)
-                break
-            self.waiting.popleft()
-            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, cached
-            self.running.append(seq)
-            batch.append((seq, n))
-            budget -= n
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-        return batch
-
-    def preempt(self, seq):
-        self.running.remove(seq)
-        self.block_manager.free(seq.block_table)
-        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
-        seq.draft_tokens, seq.draft_probs, seq.num_draft_computed = [], None, 0
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
-    def finish(self, seq, reason):
-        """End a sequence wherever it is (a queue or the running batch) and free its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self.block_manager.free(seq.block_table)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-
-    def postprocess(self, seqs, tokens, logprobs):
-        """Give each sequence its new tokens (a list each), register the blocks they filled for
-        prefix caching, and finish the sequences they end. Returns the sequences that advanced."""
-        advanced = []
-        for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
-            seq.num_pending -= 1
-            if seq.draft_tokens:  # the rejected drafts' positions are computed again later
-                k, accepted = len(seq.draft_tokens), len(new) - 1
-                seq.num_computed_tokens -= k - accepted
-                seq.draft_tokens, seq.draft_probs = [], None
-            # the draft model's cache past here holds drafts this step did not accept, or that
-            # the budget cut before they were verified (all of them, even)
-            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-            if seq.is_finished:  # ended (by eos, or aborted) while this step ran
-                continue
-            for token, token_logprobs in zip(new, new_logprobs):
-                seq.append(token, token_logprobs)
-                reason = self._finish_reason(seq, token)
-                if reason is not None:
-                    if reason == "stop" and not self._grammar_finished(seq):
-                        seq.stop_token_id = token
-                    self._cache_last_blocks(seq)
-                    self.finish(seq, reason)
-                    break
-            advanced.append(seq)
-        return advanced
-
-    def _cache_last_blocks(self, seq):
-        """Register the blocks filled by the step that ends seq, before finish frees them:
-        register_computed comes after postprocess and skips finished sequences, so a prompt
-        whose request ends at its first token would never be found by the next one."""
-        blocks, table = self.block_manager, seq.block_table
-        first = next((i for i, block in enumerate(table) if blocks.hashes[block] is None), len(table))
-        end = seq.num_computed_tokens  # (rejected drafts were taken off above)
-        blocks.cache_full_blocks(table, seq.token_ids, min(first * self.block_size, end), end)
-
-    def register_computed(self, spans):
-        """Blocks that a step filled become reusable by later prompts (prefix caching). spans:
-        [(sequence, start, end)], the positions the step computed; their tokens are all known by
-        now. A sequence preempted since then has lost those blocks."""
-        bs = self.block_size
-        for seq, start, end in spans:
-            end = min(end, seq.num_computed_tokens)  # (rejected drafts are not computed)
-            if seq.status is SequenceStatus.RUNNING and end // bs > start // bs:  # a block filled
-                self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, start, end)
-
-    def _finish_reason(self, seq, token):
-        # Under a grammar the mask allows eos only where the text is complete, and there eos ends
-        # the request even with ignore_eos: the text can only be finished, not continued.
-        eos_ends = not seq.params.ignore_eos or seq.grammar is not None
-        if token in seq.params.stop_token_ids or (eos_ends and token in self.eos_token_ids):
-            return "stop"
-        if self._grammar_finished(seq):  # the automaton accepts, and nothing may follow
-            return "stop"
-        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
-            return "length"
-        return None
-
-    @staticmethod
-    def _grammar_finished(seq):
-        return seq.grammar is not None and seq.grammar.is_finished(seq.grammar_state)
-
-
-class StepHandle:
-    """A launched step: the positions it computed, and the tokens it sampled on their way to the
-    host."""
-
-    def __init__(self, spans, seqs, tokens, read):
-        self.spans = spans  # [(sequence, start, end)]: the positions computed, as scheduled
-        self.seqs = seqs  # the sequences that sampled
-        self.rows = {seq: row for row, seq in enumerate(seqs)}  # a sequence's row in tokens
-        self.tokens = tokens  # (S,) on the device: one token a sequence (no speculation)
-        self.read = read  # () -> (new tokens, logprobs): a list per sequence, waiting for them
-
-
-class ModelRunner:
-    """Turns a step's packed sequences into tensors, runs the model and samples. It owns the
-    paged KV cache, allocated once; on a GPU (unless enforce_eager) its steps replay CUDA
-    graphs (StepGraphs), else run forward_packed eagerly. launch() only queues the work and
-    starts copying the sampled tokens back: the StepHandle's read() waits for them."""
-
-    def __init__(self, model, num_blocks, block_size, max_model_len, enforce_eager=False,
-                 max_num_seqs=256):
-        self.model = fuse_projections(model)
-        cfg = model.cfg
-        self.device, self.dtype = _device_of(model), model.model.embed_tokens.weight.dtype
-        self.vocab_size, self.block_size = cfg.vocab_size, block_size
-        self.max_len = triton.cdiv(max_model_len, block_size) * block_size  # the blocks' reach
-        self.attention = triton_attention if model.kernels else torch_attention
-        # one block more than the manager hands out: the scratch block, where a graph's padding
-        # rows write their keys and values
-        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
-                 cfg.head_dim)
-        self.kv = (torch.zeros(shape, device=self.device, dtype=self.dtype),
-                   torch.zeros(shape, device=self.device, dtype=self.dtype))
-        self.scratch_slot = num_blocks * block_size
-        graphed = self.device.type == "cuda" and model.kernels and not enforce_eager
-        self.graphs = (StepGraphs(self.model, self.kv, self.max_len, self.attention,
-                                  max_num_seqs) if graphed else None)
-        self.sampler = Sampler()
-
-    @torch.inference_mode()
-    def launch(self, batch, previous=None):
-        """Queue one step: batch = [(sequence, its new tokens)] as scheduled (num_computed_tokens
-        already past them, a sequence's draft tokens last). A new token not yet on the host is
-        the one `previous` (a StepHandle) sampled: it is read on the device. Returns a
-        StepHandle."""
-        entries, seqs, spans = [], [], []
-        for seq, n in batch:
-            end, k = seq.num_computed_tokens, len(seq.draft_tokens)
-            start = end - n
-            ids, from_previous = seq.token_ids[start:end - k], None
-            if len(ids) < n - k:  # the last one is on its way from the previous step
-                ids, from_previous = ids + [0], previous.rows[seq]
-            samples = 0
-            if end - k == seq.num_tokens:  # all its tokens are in: it samples (k + 1 rows)
-                samples = k + 1
-                seqs.append(seq)
-            if k and len(ids) == 1:
-                # a decode and its drafts: k + 1 entries of one token each, at successive
-                # positions over the same blocks, as k + 1 decodes; each layer writes all their
-                # keys before any attends, so token i still sees tokens < i. The step is then
-                # decode-shaped, and its CUDA graph replays it
-                entries += [([t], None, start + i, seq.block_table, 1)
-                            for i, t in enumerate(ids + seq.draft_tokens)]
-            else:
-                entries.append((ids + seq.draft_tokens, from_previous, start, seq.block_table,
-                                samples))
-            spans.append((seq, start, end))
-        logits = self.forward(entries, previous.tokens if previous is not None else None)
-        plain = [seq for seq in seqs if not seq.draft_tokens]
-        tokens = logprobs = None
-        if plain:
-            if len(plain) < len(seqs):  # a speculative step: the plain rows' logits, one each
-                ends = np.cumsum([len(seq.draft_tokens) + 1 for seq in seqs]) - 1
-                logits_plain = logits[self._to_device(
-                    [end for end, seq in zip(ends, seqs) if not seq.draft_tokens], torch.int64)]
-            else:
-                logits_plain = logits
-            masks = [None if s.grammar is None else s.grammar.mask(s.grammar_state) for s in plain]
-            tokens, logprobs = self.sampler(logits_plain, self.sampling_batch(plain), masks)
-        read_plain = self._read_back(tokens, logprobs)
-        read_spec = self._verify(seqs, logits) if len(plain) < len(seqs) else None
-
-        def lists():
-            """A list of new tokens and one of logprobs per sequence, in seqs' order."""
-            tokens_list, logprobs_tensors = read_plain()
-            new = [[t] for t in tokens_list]
-            logprobs_list = [[x] for x in self.logprobs_lists(plain, tokens_list, logprobs_tensors)]
-            if read_spec is None:
-                return new, logprobs_list
-            per_seq = dict(zip(plain, zip(new, logprobs_list)))
-            per_seq.update(read_spec())
-            new = [per_seq[seq] for seq in seqs]
-            return [t for t, _ in new], [lp for _, lp in new]
-        return StepHandle(spans, seqs, tokens, lists)
-
-    def sampling_batch(self, seqs, repeat=1):
-        """The SamplingBatch of the sequences, each in `repeat` rows (one per verified position).
-        The prompts and outputs (copies) only where a penalty needs them."""
-        seqs = [seq for seq in seqs for _ in range(repeat)]
-        params = [s.params for s in seqs]
-        penalties = any(s.needs_tokens and s.params.has_penalties for s in seqs)
-        return SamplingBatch(params, [s.prompt_token_ids for s in seqs] if penalties else None,
-                             self.vocab_size, self.device,
-                             outputs=[s.output_token_ids for s in seqs] if penalties else None,
-                             generators=[s.generator for s in seqs] if repeat == 1 else None,
-                             rows=[s.sampling_row for s in seqs])
-
-    @torch.inference_mode()
-    def forward(self, entries, previous_tokens=None):
-        """One packed forward pass. entries: [(ids, from_previous, start, block_table, samples)]:
-        a sequence's new token ids (a list) at positions start.., the last one taken on the
-        device from previous_tokens[from_previous] when that is not None; `samples`: how many
-        of its last rows need logits. Returns those logits (rows, V), in order."""
-        bs = self.block_size
-        ids, pending, positions, slots, lengths, tables, sample_rows = [], [], [], [], [], [], []
-        cu = [0]
-        for tokens, from_previous, start, table, samples in entries:
-            end = start + len(tokens)
-            if from_previous is not None:
-                pending.append((len(ids) + len(tokens) - 1, from_previous))
-            ids += tokens
-            positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            lengths.append(end)
-            tables.append(table)
-            cu.append(len(ids))
-            sample_rows += range(len(ids) - samples, len(ids))
-        decode = len(ids) == len(entries)
-        graphed = self.graphs is not None and (decode or len(entries) <= self.graphs.rows)
-        if graphed and decode:  # padded to its bucket: rows that read nothing, write the scratch
-            pad = graph_bucket(len(ids)) - len(ids)
-            ids, positions, lengths = ids + [0] * pad, positions + [0] * pad, lengths + [0] * pad
-            slots += [self.scratch_slot] * pad
-            cu += range(cu[-1] + 1, cu[-1] + pad + 1)
-        elif graphed:  # token rows of no sequence, sequences of no tokens
-            pad = token_bucket(len(ids)) - len(ids)
-            ids, positions = ids + [0] * pad, positions + [0] * pad
-            slots += [self.scratch_slot] * pad
-            lengths += [0] * (self.graphs.rows - len(entries))
-            cu += [cu[-1]] * (self.graphs.rows - len(entries))
-        table_array = np.zeros((len(lengths), max(map(len, tables))), dtype=np.int32)
-        for row, table in enumerate(tables):
-            table_array[row, :len(table)] = table
-        # two copies to the device, of the int64 inputs and of the int32 ones, not one an input:
-        # a copy costs the host ~30 us (pinning, launching it), and the host builds a step while
-        # the GPU runs the last one (64 decodes, H200: 91 us for the two, 245 for nine)
-        dst, src = zip(*pending) if pending else ((), ())
-        ids_d, positions_d, slots_d, rows_d, dst, src = self._ints_to_device(
-            torch.int64, ids, positions, slots, sample_rows, dst, src)
-        cu_d, lengths_d, tables_d = self._ints_to_device(torch.int32, cu, lengths,
-                                                         table_array.ravel())
-        if pending:
-            ids_d[dst] = previous_tokens[src]
-        meta = AttentionMetadata(
-            slots=slots_d, cu_seqlens_q=cu_d, lengths=lengths_d,
-            block_tables=tables_d.view(table_array.shape),
-            max_q_len=max(len(e[0]) for e in entries), max_len=table_array.shape[1] * bs,
-            sample_rows=rows_d)
-        if not graphed:
-            return forward_packed(self.model, ids_d, positions_d, self.kv, meta, self.attention)
-        if not decode:  # the output layer on the rows that sample, outside the graph
-            x, h = self.graphs(ids_d, positions_d, meta)
-            if not sample_rows:  # a step of prompt chunks that all go on
-                return x.new_empty(0, self.vocab_size)
-            return norm_linear(x[rows_d], h[rows_d], self.model.model.norm,
-                               self.model.output_weight())[0]
-        meta.sample_rows = torch.arange(len(ids), device=self.device)
-        logits = self.graphs(ids_d, positions_d, meta)  # (bucket, V)
-        return logits if len(sample_rows) == len(ids) else logits[rows_d]
-
-    def _verify(self, seqs, logits):
-        """Speculative decoding's check of the sequences of a step that carry draft tokens:
-        logits holds k + 1 rows for each of seqs (1 for one without drafts, skipped here). The
-        target's distribution at each position, then rejection_sample. Returns a function that
-        waits for the result: {sequence: (new tokens, logprobs)}."""
-        index, start, drafted = [], 0, []
-        K = max(len(seq.draft_tokens) for seq in seqs)
-        for seq in seqs:
-            k = len(seq.draft_tokens)
-            if k:  # (K + 1) rows of logits, the last one repeated past k
-                index.append([start + min(i, k) for i in range(K + 1)])
-                drafted.append(seq)
-            start += k + 1
-        index = self._to_device(index, torch.int64)
-        probs = Sampler.probs(logits[index.flatten()].float(), self.sampling_batch(
-            drafted, repeat=K + 1)).view(len(drafted), K + 1, -1)  # (B, K + 1, V)
-        drafts = self._to_device(  # (B, K)
-            [s.draft_tokens + [0] * (K - len(s.draft_tokens)) for s in drafted], torch.int64)
-        num_draft = self._to_device([len(s.draft_tokens) for s in drafted], torch.int64)
-        draft_probs = None
-        if drafted[0].draft_probs is not None:  # a draft model's, (k, V) a sequence: zero-padded
-            draft_probs = torch.zeros(len(drafted), K, probs.shape[-1], device=self.device)
-            for row, seq in enumerate(drafted):
-                k = len(seq.draft_tokens)  # (the budget may have cut the draft short)
-                draft_probs[row, :k] = seq.draft_probs[:k]
-        greedy = self._to_device([s.params.temperature < GREEDY_BELOW for s in drafted], torch.bool)
-        generators = {row: s.generator for row, s in enumerate(drafted) if s.generator is not None}
-        tokens, accepted = rejection_sample(probs, drafts, num_draft, draft_probs, greedy,
-                                            generators)
-        read = self._read_back(tokens, (accepted,))
-
-        def wait():
-            tokens_list, (accepted_t,) = read()
-            return {seq: (row[:a + 1], [None] * (a + 1))
-                    for seq, row, a in zip(drafted, tokens_list, accepted_t.tolist())}
-        return wait
-
-    @torch.inference_mode()
-    def capture_graphs(self, max_num_batched_tokens):
-        """Capture the graph of every tokens bucket a step other than a decode can fill, up to
-        max_num_batched_tokens, so that no request waits for one (a server does this before it
-        is ready). Each is captured on a made-up step of zeros like a server's: an eighth of its
-        tokens decodes of CAPTURE_KEYS keys, the rest a prompt, whose tokens all write (and
-        read) the scratch block, so no sequence's keys change. It is the step the prefill
-        kernel's tiles are tuned on: on a prompt alone they come out wide, and a decode's one
-        token then fills a sliver of each (Qwen3-0.6B, 63 decodes of 600 keys and a 512-token
-        prompt on the H200: 101 us a layer; tuned on this step, 16-row tiles and 78 us). A
-        decode step's graph is still captured at its batch size's first step: its attention is
-        tuned on the real lengths. Returns how many graphs it captured."""
-        if self.graphs is None:
-            return 0
-        before = len(self.graphs.graphs)
-        bs, scratch = self.block_size, self.scratch_slot // self.block_size
-        keys = min(CAPTURE_KEYS, self.max_len)
-        buckets = {token_bucket(n) for n in range(2, max_num_batched_tokens + 1)}
-        for tokens in sorted(buckets):
-            decodes = max(0, min(tokens // 8, self.graphs.rows - triton.cdiv(tokens, self.max_len)))
-            entries = [([0], None, keys - 1, [scratch] * triton.cdiv(keys, bs), 1)] * decodes
-            rest = tokens - decodes
-            chunks = [min(self.max_len, rest - at) for at in range(0, rest, self.max_len)]
-            entries += [([0] * n, None, 0, [scratch] * triton.cdiv(n, bs), 0) for n in chunks]
-            if len(entries) <= self.graphs.rows and (tokens, False) not in self.graphs.graphs:
-                self.forward(entries)
-        torch.cuda.synchronize(self.device)
-        return len(self.graphs.graphs) - before
-
-    def _to_device(self, data, dtype):
-        """A host list or array on the device: from pinned memory, without waiting for the GPU."""
-        t = torch.as_tensor(np.asarray(data), dtype=dtype)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _ints_to_device(self, dtype, *arrays):
-        """Host lists or arrays of ints, one dimension each, on the device in one copy: views of
-        one tensor."""
-        sizes = [len(a) for a in arrays]
-        packed, at = np.empty(sum(sizes), dtype=np.int64), 0
-        for a, size in zip(arrays, sizes):
-            packed[at:at + size] = a
-            at += size
-        return self._to_device(packed, dtype).split(sizes)
-
-    def _read_back(self, tokens, logprobs):
-        """Start copying the sampled tokens (and logprobs) to the host; the function returned waits
-        for these copies only, not for what is queued on the GPU after them, and returns
-        (tokens as a list, logprobs)."""
-        if tokens is None:
-            return lambda: ([], None)
-        tensors = [tokens, *(logprobs or ())]
-        copied = None
-        if self.device.type == "cuda":
-            tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
-            copied = torch.cuda.Event()
-            copied.record()
-
-        def wait():
-            if copied is not None:
-                copied.synchronize()
-            return tensors[0].tolist(), (tuple(tensors[1:]) if logprobs is not None else None)
-        return wait
-
-    @staticmethod
-    def logprobs_lists(seqs, tokens, logprobs):
-        """Per row, {id: logprob} of the sampled id and the row's top ones, or None."""
-        if logprobs is None:
-            return [None] * len(seqs)
-        sampled, top_values, top_ids = (x.tolist() for x in logprobs)
-        out = []
-        for row, seq in enumerate(seqs):
-            k = seq.params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            out.append({tokens[row]: sampled[row], **dict(zip(top_ids[row][:k], top_values[row][:k]))})
-        return out
-
-
-class LLMEngine:
-    """Requests in, one step at a time, outputs out: add_request, step, abort. Stage 08's server
-    drives these from its engine thread.
-
-    With async_scheduling, a step is launched before the previous step's tokens reach the host:
-    step() schedules and launches step n + 1, then reads step n's tokens, so that the host's
-    work (scheduling, the inputs, the outputs) runs while the GPU computes. A sequence's next
-    input is then read on the device from step n's tokens, and a sequence that step n ends by an
-    eos runs one step more, whose token nobody reads. Steps that need every token on the host
-    first (structured output's masks, penalties, speculative decoding) run one at a time."""
-
-    def __init__(self, runner, block_manager, *, eos_token_ids, max_model_len, max_num_seqs,
-                 max_num_batched_tokens, tokenizer=None, async_scheduling=True, speculative=None,
-                 prefill_first=False, debug=False):
-        self.runner, self.block_manager = runner, block_manager
-        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids, prefill_first)
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len, self.tokenizer = max_model_len, tokenizer
-        self.async_scheduling, self.debug = async_scheduling, debug
-        # speculative decoding: (proposer, tokens to propose, mean accepted below which a
-        # sequence stops proposing), or None
-        self.proposer, self.num_speculative, self.min_accepted = speculative or (None, 0, 0.0)
-        self.grammars = None  # the GrammarCache, built at the first structured request
-        self.requests = {}  # request_id -> Sequence, until it ends
-        self.num_needing_tokens = 0  # of them, under structured output or penalties
-        self.in_flight = None  # the StepHandle launched and not read yet
-        self.last_batch = []  # [(sequence, its new tokens)] of the last step scheduled
-        self.counts = Counter()  # steps, those overlapped; sequences verified, drafts, accepted
-        self.num_advances = 0  # the clock of speculation's probes
-
-    def add_request(self, request_id, prompt, params=None):
-        """Queue a request: prompt a string (with a tokenizer) or a list of token ids; params a
-        SamplingParams (None: the defaults). Checked here: a bad request raises ValueError and
-        leaves the engine as it was."""
-        self.add_sequence(self.new_sequence(request_id, prompt, params))
-
-    def new_sequence(self, request_id, prompt, params=None):
-        """The request as a Sequence, every check done, not queued yet."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
-        ids = self._prompt_ids(request_id, prompt)
-        max_tokens = self._check_request(request_id, ids, params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        return Sequence(request_id, ids, params, max_tokens, self.runner.vocab_size,
-                        self._grammar(request_id, params), generator)
-
-    def add_sequence(self, seq):
-        self.requests[seq.request_id] = seq
-        self.num_needing_tokens += seq.needs_tokens
-        self.scheduler.add(seq)
-
-    def reset(self):
-        """Abort every request, and wait for the step in flight."""
-        for request_id in list(self.requests):
-            self.abort(request_id)
-        if self.in_flight is not None:
-            self.in_flight.read()
-            self.in_flight = None
-
-    def _prompt_ids(self, request_id, prompt):
-        """The prompt as a list of token ids, checked against the vocabulary."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {request_id!r} is text, but this LLM has no tokenizer: "
-                                 f"pass token ids, or LLM(..., tokenizer=...)")
-            prompt = self.tokenizer.encode(prompt)
-        elif not isinstance(prompt, (list, tuple)) or not all(
-                type(t) is int or _is_int(t) for t in prompt):  # (the common case first)
-            raise ValueError(f"prompt {request_id!r} must be a string or a list of token ids")
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {request_id!r} is empty: generation needs a token to "
-                             f"continue")
-        vocab = self.runner.vocab_size
-        outside = [t for t in ids if not 0 <= t < vocab]
-        if outside:
-            raise ValueError(f"prompt {request_id!r} holds token id {outside[0]}, outside the "
-                             f"model's vocabulary [0, {vocab})")
-        return ids
-
-    def _check_request(self, i, ids, params):
-        """How many tokens prompt i may generate, checked against max_model_len and the KV pool;
-        its params checked against the vocabulary."""
-        n, limit = len(ids), self.max_model_len
-        if n > limit:
-            raise ValueError(f"prompt {i!r} is {n} tokens, longer than max_model_len {limit}")
-        if n == limit:
-            raise ValueError(f"prompt {i!r} is {n} tokens, all of max_model_len {limit}: no room "
-                             f"to generate")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"prompt {i!r}: {n} prompt tokens + max_tokens {params.max_tokens} = "
-                             f"{n + params.max_tokens}, beyond max_model_len {limit}")
-        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
-        blocks = self.block_manager
-        if triton.cdiv(n + max_tokens, blocks.block_size) > blocks.num_blocks:
-            raise ValueError(f"prompt {i!r}: {n} prompt tokens + {max_tokens} to generate need "
-                             f"more than the KV pool's {blocks.num_blocks} blocks of "
-                             f"{blocks.block_size} tokens: lower max_tokens or max_model_len")
-        vocab = self.runner.vocab_size
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"SamplingParams.stop_token_ids of prompt {i!r} holds {outside[0]}, "
-                             f"outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs of prompt {i!r} asks for {params.logprobs} "
-                             f"top logprobs, more than the vocabulary's {vocab} tokens")
-        return max_tokens
-
-    def _grammar(self, i, params):
-        """The TokenMasker of prompt i's regex, choice or JSON schema, or None. The masks are
-        the model's width: its ids past the tokenizer's write no text, so they are never allowed."""
-        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
-            return None
-        if self.tokenizer is None:
-            raise ValueError(f"prompt {i!r} asks for structured output, which needs a tokenizer "
-                             f"(each token's bytes): LLM(..., tokenizer=...)")
-        if self.grammars is None:
-            vocab = grammar_vocab(self.tokenizer, self.runner.vocab_size)
-            self.grammars = GrammarCache(vocab, self.eos_token_ids, self.runner.device)
-        masker = self.grammars.get(regex=params.regex, choice=params.choice,
-                                   json_schema=params.json_schema)
-        if masker.is_finished(masker.start):
-            raise ValueError(f"the structured output of prompt {i!r} allows only the empty text: "
-                             f"there is nothing to generate")
-        return masker
-
-    def abort(self, request_id):
-        """End a request wherever it is (waiting, being prefilled or decoding); its blocks are
-        freed at once. An unknown or finished id is ignored (it may have just finished)."""
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self.num_needing_tokens -= seq.needs_tokens
-            self.scheduler.finish(seq, "abort")
-
-    def has_unfinished(self):
-        return self.scheduler.has_unfinished() or self.in_flight is not None
-
-    @property
-    def num_unfinished(self):
-        return len(self.requests)
-
-    def step(self):
-        """One turn of the loop: schedule, launch, and read back (under async scheduling, the
-        previous step's tokens): returns a RequestOutput for every request that advanced."""
-        return [self.output(seq) for seq in self.advance()]
-
-    def advance(self):
-        """step() without building its outputs (each a copy of a request's tokens so far):
-        returns the sequences that advanced."""
-        self.num_advances += 1
-        overlap = self.async_scheduling and not self._needs_tokens()
-        self.counts["overlapped"] += overlap
-        advanced = [] if overlap else self._read(self.in_flight)  # (no step in flight then)
-        batch = self.last_batch = self.scheduler.schedule()
-        previous, self.in_flight = self.in_flight, None
-        if batch:
-            self.in_flight = self.runner.launch(batch, previous)
-            for seq in self.in_flight.seqs:
-                seq.num_pending += 1
-        advanced += self._read(previous) if overlap else self._read(self.in_flight)
-        if not overlap:
-            self.in_flight = None
-            if self.proposer is not None:
-                self._propose()
-        if self.debug:
-            self.check()
-        return advanced
-
-    def _read(self, handle):
-        """Wait for a launched step's tokens and hand them to its sequences."""
-        if handle is None:
-            return []
-        tokens, logprobs = handle.read()  # a list of new tokens (and of logprobs) a sequence
-        self.counts["steps"] += 1
-        for seq, new in zip(handle.seqs, tokens):
-            if seq.draft_tokens:
-                self.counts["verified"] += 1
-                self.counts["drafted"] += len(seq.draft_tokens)
-                self.counts["accepted"] += len(new) - 1
-                seq.mean_accepted = (0.7 * min(seq.mean_accepted, self.num_speculative)
-                                     + 0.3 * (len(new) - 1))
-        advanced = self.scheduler.postprocess(handle.seqs, tokens, logprobs)
-        self.scheduler.register_computed(handle.spans)
-        for seq in advanced:
-            if seq.is_finished and self.requests.pop(seq.request_id, None) is not None:
-                self.num_needing_tokens -= seq.needs_tokens
-        return advanced
-
-    def _needs_tokens(self):
-        """Whether this step needs the last step's tokens on the host before it starts: for
-        structured output or penalties, to verify drafts, or to propose after it."""
-        return self.num_needing_tokens > 0 or self.proposer is not None and bool(
-            any(seq.draft_tokens for seq in self.scheduler.running) or self._speculating())
-
-    def _speculating(self):
-        """The sequences that propose drafts after this step. Not those under structured output,
-        penalties or logprobs (the verification samples without them), nor those whose mean
-        accepted drafts a step is below min_accepted, where verifying costs more than it saves;
-        all of them probe together every SPEC_PROBE_STEPS steps, to measure anew. And none
-        unless their gains together pay for the wait that speculation puts on the whole batch:
-        a step that proposes cannot overlap the next one (SPEC_SYNC_COST). min_accepted = 0:
-        every sequence that can speculates, always."""
-        running = self.scheduler.running
-        probe = self.num_advances % SPEC_PROBE_STEPS == 0
-        seqs = [seq for seq in running if seq.grammar is None and not seq.params.has_penalties
-                and seq.params.logprobs is None
-                and (probe or seq.mean_accepted >= self.min_accepted)]
-        gain = sum(min(seq.mean_accepted, self.num_speculative) - self.min_accepted for seq in seqs)
-        always = probe or self.min_accepted == 0
-        return seqs if always or gain >= SPEC_SYNC_COST * len(running) else []
-
-    def _propose(self):
-        """Draft tokens for the next step of every decoding sequence that speculates."""
-        seqs, ks = [], []
-        for seq in self._speculating():
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_tokens:
-                continue  # (still holding drafts: it sat this step out, and they wait for the next)
-            k = min(self.num_speculative, seq.max_tokens - seq.num_output_tokens - 1)
-            if k >= 1 and self.block_manager.grow(seq.block_table, seq.num_tokens + k):
-                seqs.append(seq)
-                ks.append(k)
-        if seqs:
-            self.proposer.propose(seqs, ks)
-        for seq in seqs:
-            if not seq.draft_tokens:  # nothing to propose: speculation gained nothing this step
-                seq.mean_accepted = 0.7 * min(seq.mean_accepted, self.num_speculative)
-
-    @property
-    def stats(self):
-        """The engine's counters since it was built: steps, preemptions, the prefix cache's hit
-        rate (of prompt tokens looked up, those found cached), and speculative decoding's draft
-        tokens, accepted ones and mean accepted a verified sequence."""
-        counts = self.counts
-        return dict(steps=counts["steps"], preemptions=self.scheduler.num_preemptions,
-                    prefix_hit_rate=self.block_manager.prefix_hit_rate,
-                    draft_tokens=counts["drafted"], accepted_tokens=counts["accepted"],
-                    mean_accepted=counts["accepted"] / max(1, counts["verified"]))
-
-    def check(self):
-        """The invariants (debug mode, and the tests): every live sequence is in exactly one
-        queue with its status, and the block manager's counts match the block tables."""
-        queued = list(self.scheduler.waiting) + self.scheduler.running
-        assert len(queued) == len(set(map(id, queued))), "a sequence is in two queues"
-        assert all(s.status is SequenceStatus.WAITING for s in self.scheduler.waiting)
-        assert all(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
-        self.block_manager.check([seq.block_table for seq in queued])
-
-    def output(self, seq):
-        """The RequestOutput of a sequence as it stands."""
-        ids = seq.output_token_ids
-        text = None
-        if self.tokenizer is not None and seq.is_finished:  # the ending eos or stop id: no text
-            text_ids = ids if seq.stop_token_id is None else ids[:-1]
-            text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
-                             None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
-
-
-class LLM:
-    """The entry point: LLM(model).generate(prompts, sampling_params), one RequestOutput per
-    prompt, in the prompts' order; llm.engine is the LLMEngine, for requests one at a time.
-
-    model: a Hugging Face Qwen3 directory, a Hub id (downloaded into data/hub/ on first use) or a
-    built Qwen3 (used as it is: its device, dtype and kernel setting). tokenizer: a Tokenizer
-    (load_tokenizer); by default a directory's own, read from its tokenizer.json with the
-    weights. Without one (a built Qwen3, or a directory with no tokenizer.json) prompts are token
-    ids, outputs have no text, structured output is off, and a sequence stops at the eos ids of
-    the directory's config files (none for a built Qwen3); with one, at the tokenizer's eos ids.
-    device, dtype: as load_qwen3's. max_model_len: the longest prompt + output (default and
-    limit: the model's max_position_embeddings).
-    The engine's knobs (vLLM's names): block_size, tokens a KV block holds; num_kv_blocks, the
-    pool's size, fixed (default: on a GPU what gpu_memory_utilization of its memory leaves after
-    the weights and a profiled step, on a CPU room for max_num_seqs sequences of max_model_len
-    tokens, at most 1 GiB); max_num_seqs and max_num_batched_tokens, the budgets of a step;
-    enable_prefix_caching; speculative: speculative decoding, {"method": "ngram"} (prompt lookup)
-    or {"method": "draft", "model": a smaller Qwen3, directory or Hub id}, with "num_tokens" k
-    (default 4) and "min_accepted" (see LLMEngine._speculating; 0: always on); enforce_eager:
-    no CUDA graphs; async_scheduling: each step launched before the previous one's tokens reach
-    the host (on by default, as SGLang's overlap scheduler; the outputs are the same);
-    prefill_first: a step with prompt tokens to run runs only those (see Scheduler; off by
-    default, on in the server: the outputs are the same); debug: check the engine's invariants
-    after every step.
-    """
-
-    def __init__(self, model, *, tokenizer=None, device=None, dtype=None, max_model_len=None,
-                 block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_seqs=256,
-                 max_num_batched_tokens=8192, enable_prefix_caching=True, speculative=None,
-                 enforce_eager=False, async_scheduling=True, prefill_first=False, debug=False,
-                 data_dir=None):
-        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must be a Tokenizer (see load_tokenizer), not "
-                            f"{type(tokenizer).__name__}")
-        if isinstance(model, Qwen3):
-            if device is not None or dtype is not None:
-                raise ValueError("a built Qwen3 is used as it is: move it with .to() instead of "
-                                 "passing device or dtype")
-            self.model, eos_token_ids = model.eval(), set()
-        elif isinstance(model, (str, os.PathLike)):
-            folder = model_folder(model, data_dir)
-            self.model = load_qwen3(folder, device, dtype)
-            eos_token_ids = config_eos_token_ids(folder)
-            if tokenizer is None and (folder / "tokenizer.json").is_file():
-                tokenizer = load_tokenizer(folder)
-        else:
-            raise TypeError(f"model must be a directory, a Hub id or a Qwen3, not {type(model).__name__}")
-        if tokenizer is not None:
-            eos_token_ids = tokenizer.eos_token_ids  # config files and tokenizer_config.json
-        self.tokenizer = tokenizer
-        limit = self.model.cfg.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len = {max_model_len!r} must be an int from 2 to the "
-                             f"model's max_position_embeddings, {limit}")
-        _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
-                     max_num_batched_tokens,
-                     dict(enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                          async_scheduling=async_scheduling, prefill_first=prefill_first,
-                          debug=debug))
-        draft = speculative.get("model") if isinstance(speculative, dict) else None
-        if isinstance(draft, (str, os.PathLike)):  # loaded before the pool is sized
-            speculative = dict(speculative)
-            draft = speculative["model"] = load_qwen3(
-                model_folder(draft, data_dir), _device_of(self.model),
-                self.model.model.embed_tokens.weight.dtype).use_kernels(self.model.kernels)
-        if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_memory(
-                [self.model] + ([draft] if isinstance(draft, Qwen3) else []), block_size,
-                self.max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization)
-        if speculative is not None:
-            speculative = make_proposer(speculative, self.model, num_kv_blocks, block_size,
-                                        self.max_model_len, enforce_eager)
-        runner = ModelRunner(self.model, num_kv_blocks, block_size, self.max_model_len,
-                             enforce_eager, max_num_seqs)
-        blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.engine = LLMEngine(runner, blocks, eos_token_ids=eos_token_ids,
-                                max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, tokenizer=tokenizer,
-                                async_scheduling=async_scheduling, speculative=speculative,
-                                prefill_first=prefill_first, debug=debug)
-
-    def capture_graphs(self):
-        """Capture the CUDA graphs of the steps that are not decodes ahead of the first request
-        (ModelRunner.capture_graphs; none without graphs). Returns how many it captured."""
-        return self.engine.runner.capture_graphs(self.engine.scheduler.max_num_batched_tokens)
-
-    def generate(self, prompts, sampling_params=None):
-        """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
-        of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
-        defaults. Every prompt and its limits are checked before any work starts."""
-        prompts = self._prompt_list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        engine = self.engine
-        engine.reset()  # a fresh start, even after an interrupted call
-        seqs = [engine.new_sequence(i, prompt, p)
-                for i, (prompt, p) in enumerate(zip(prompts, params))]
-        for seq in seqs:
-            engine.add_sequence(seq)
-        while engine.has_unfinished():
-            engine.advance()
-        return [engine.output(seq) for seq in seqs]
-
-    @staticmethod
-    def _prompt_list(prompts):
-        """One prompt (a string or a list of ids) is a batch of one."""
-        if isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(
-                _is_int(t) for t in prompts):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a string or a list of token ids, or a non-empty "
-                             "list of them")
-        return prompts
-
-    @staticmethod
-    def _params_per_prompt(sampling_params, n):
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            return [sampling_params or SamplingParams()] * n
-        if isinstance(sampling_params, (list, tuple)) and all(
-                isinstance(p, SamplingParams) for p in sampling_params):
-            if len(sampling_params) != n:
-                raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts: give "
-                                 f"one for all, or one per prompt")
-            return list(sampling_params)
-        raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
-
-
-def _check_knobs(block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
-                 max_num_batched_tokens, switches):
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} = {value!r} must be a positive int")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size = {block_size} must be a power of two (the attention "
-                         f"kernels split a position into block and offset with a shift)")
-    if num_kv_blocks is not None and (not _is_int(num_kv_blocks) or num_kv_blocks < 1):
-        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} must be a positive int or None")
-    if not _is_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r} must be in (0, 1]")
-    for name, value in switches.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} = {value!r} must be True or False")
-
-
-def kv_blocks_for_memory(models, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
-                         utilization):
-    """The pool's size in blocks, reported. On a GPU, vLLM's rule: of utilization x the GPU's
-    memory, what is left after what is in use now (the weights, the CUDA context, other
-    processes) and the peak of a profiled step of max_num_batched_tokens tokens; but no more
-    than max_num_seqs sequences of max_model_len tokens fill, with as much again for prefix
-    caching to keep. On a CPU, room for max_num_seqs sequences of max_model_len tokens, at most
-    1 GiB. models: the target, and a draft model whose cache shares the blocks."""
-    model, per_token = models[0], 0
-    for m in models:
-        cfg, dtype = m.cfg, m.model.embed_tokens.weight.dtype
-        per_token += (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                      * dtype.itemsize)
-    device = _device_of(model)
-    if device.type != "cuda":
-        tokens = min(max_num_seqs * max_model_len, max(max_model_len, 2**30 // per_token))
-        blocks = triton.cdiv(tokens, block_size)
-    else:
-        peak = profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens)
-        free, total = torch.cuda.mem_get_info(device)
-        budget = utilization * total - (total - free) - peak
-        most = 2 * max_num_seqs * triton.cdiv(max_model_len, block_size)
-        blocks = min(int(budget // (per_token * block_size)), most)
-        if blocks < triton.cdiv(max_model_len, block_size):
-            raise ValueError(f"gpu_memory_utilization {utilization} leaves room for "
-                             f"{max(blocks, 0)} KV blocks, fewer than one sequence of "
-                             f"max_model_len {max_model_len} needs: raise it, or lower "
-                             f"max_model_len")
-    print(f"KV cache: {blocks:,} blocks of {block_size} tokens = {blocks * block_size:,} tokens, "
-          f"{blocks * block_size * per_token / 2**30:.2f} GiB")
-    return blocks
-
-
-@torch.inference_mode()
-def profile_step_memory(model, block_size, max_num_seqs, max_num_batched_tokens):
-    """Bytes a step's activations take at their peak, beyond what is allocated now: a prefill of
-    max_num_batched_tokens tokens (one sequence) that samples max_num_seqs rows, over a cache of
-    just its own blocks (not counted)."""
-    fuse_projections(model)
-    cfg, device = model.cfg, _device_of(model)
-    dtype = model.model.embed_tokens.weight.dtype
-    N = max_num_batched_tokens
-    blocks = triton.cdiv(N, block_size)
-    shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
-    meta = AttentionMetadata(
-        slots=torch.arange(N, device=device),
-        lengths=torch.tensor([N], device=device, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, N], device=device, dtype=torch.int32),
-        block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
-        max_q_len=N, max_len=blocks * block_size,
-        sample_rows=torch.arange(N - min(N, max_num_seqs), N, device=device))
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    attention = triton_attention if model.kernels else torch_attention
-    logits = forward_packed(model, torch.zeros(N, dtype=torch.int64, device=device),
-                            torch.arange(N, device=device), kv, meta, attention)
-    Sampler()(logits, SamplingBatch([SamplingParams(temperature=1.0, top_p=0.9)] * logits.shape[0],
-                                    [[0]] * logits.shape[0], cfg.vocab_size, device))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del kv, logits
-    torch.cuda.empty_cache()
-    return peak
-
-
 def grammar_vocab(tokenizer, vocab_size):
-    """Each of the model's vocab_size ids as the bytes it writes, for structured output's masks,
-    or None where it writes none: special tokens (decode skips them, so their bytes would never
-    reach the text) and the ids past the tokenizer's (Qwen3's 151,936 rows hold 151,669 tokens).
+    """Each of the model's vocab_size ids as the bytes it writes, or None where it writes none:
+    special tokens (decode skips them) and ids past the tokenizer's (Qwen3 pads its embedding rows).
     Whatever an eos id's bytes, the masks allow it exactly where the text is complete."""
     table = tokenizer.token_bytes[:vocab_size]
     vocab = [None if i in tokenizer.special_ids or not data else data
@@ -5265,24 +5086,24 @@ class Detokenizer:
         self.held = ""  # decoded text not emitted yet: it may begin a stop string
         self.stopped = False  # a stop string was found: nothing more is emitted
 
-    def add(self, token_id):
+    def decode_next(self, token_id):
         """The text this token makes final ('' if none yet)."""
         if self.stopped:
             return ""
         data = b"" if token_id in self.special_ids else _token_data(self.token_bytes, token_id)
         return self._release(self.held + self.utf8.decode(data))
 
-    def add_many(self, token_ids):
+    def decode_next_many(self, token_ids):
         """The text these tokens make final, as add one at a time would give it. Without stop
         strings there is nothing to look for between two tokens, and their bytes decode at once:
         a server streaming thousands of tokens a second saves its per-token Python."""
         if self.stop or self.stopped:
-            return "".join([self.add(token_id) for token_id in token_ids])
+            return "".join([self.decode_next(token_id) for token_id in token_ids])
         special, table = self.special_ids, self.token_bytes
         data = b"".join([b"" if i in special else _token_data(table, i) for i in token_ids])
         return self._release(self.held + self.utf8.decode(data))
 
-    def finish(self):
+    def flush(self):
         """At the end of the request: what was held back (an unfinished character as U+FFFD)."""
         if self.stopped:
             return ""
@@ -5688,7 +5509,7 @@ class EngineThread:
         self.http_idle, self.stopping = True, threading.Event()
         self.wake_reader, self.wake_writer = socket.socketpair()  # (stop() wakes a blocked wait)
         self.idle, self.idle_changed = False, threading.Condition()
-        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.thread = threading.Thread(target=self.serve_pipe, name="engine", daemon=True)
         self.thread.start()
 
     def stop(self, timeout):
@@ -5698,7 +5519,7 @@ class EngineThread:
             self.wake_writer.send(b"x")
         self.thread.join(timeout)
 
-    def wait_idle(self, timeout=None):
+    def wait_until_idle(self, timeout=None):
         with self.idle_changed:  # (a command in the pipe that the thread has not read: not idle)
             return self.idle_changed.wait_for(lambda: self.idle and not self.conn.poll(),
                                               timeout)
@@ -5708,7 +5529,7 @@ class EngineThread:
             self.idle = idle
             self.idle_changed.notify_all()
 
-    def run(self):
+    def serve_pipe(self):
         with torch.inference_mode():  # (grad mode is per thread)
             while not self.stopping.is_set():
                 events = []
@@ -5722,7 +5543,7 @@ class EngineThread:
                 for command in commands:
                     # each command alone: a bug in one fails its job only
                     try:
-                        getattr(self, "_" + command[0])(events, *command[1:])
+                        getattr(self, "_cmd_" + command[0])(events, *command[1:])
                     except Exception:
                         LOG.exception("the engine thread failed on a %r command", command[0])
                         if command[0] == "add":
@@ -5777,13 +5598,13 @@ class EngineThread:
             self.send(("events", events, state))
             self.state_sent = state
 
-    def _idle(self, events, idle):
+    def _cmd_idle(self, events, idle):
         self.http_idle = idle
 
-    def _ready(self, events):
+    def _cmd_ready(self, events):
         self.on_ready()
 
-    def _add(self, events, job_id, n, requests):
+    def _cmd_add(self, events, job_id, n, requests):
         seqs = []  # every choice checked before any is queued: a job runs whole or not at all
         for index, (request_id, prompt, params) in enumerate(requests):
             try:
@@ -5797,13 +5618,13 @@ class EngineThread:
             self.live[seq.request_id] = [job_id, 0]  # (and the output tokens sent so far)
         events.append(("accepted", job_id))
 
-    def _abort(self, events, request_ids):
+    def _cmd_abort(self, events, request_ids):
         for request_id in request_ids:
             if self.live.pop(request_id, None) is not None:  # (it may have ended meanwhile)
                 self.engine.abort(request_id)
 
     def _step(self, events):
-        for seq in self.engine.advance():
+        for seq in self.engine.step_sequences():
             entry = self.live.get(seq.request_id)
             if entry is None:
                 continue
@@ -5857,9 +5678,9 @@ class EngineLink:
         self.checked = time.monotonic()  # when _serve_deliveries last looked for clients gone
         self.open = False  # whether the engine was last told that a request is open here
         self.gone = None  # why the engine serves no more (it failed, or stopped), or None
-        self.thread = threading.Thread(target=self.run, name="link", daemon=True)
+        self.thread = threading.Thread(target=self.relay, name="link", daemon=True)
 
-    def add(self, job, delivery):
+    def submit(self, job, delivery):
         """Send the job to the engine; from now on this thread serves its replies (see
         Delivery).
 
@@ -5868,22 +5689,22 @@ class EngineLink:
         spread, three interleaved rounds: p99 time to first token 13.1-17.8 ms through it,
         11.2-12.2 ms sent here). This thread hears of the job before the engine can answer
         it, and looks for such news before each message it reads (_run_commands)."""
-        self.commands.put(("add", job, delivery))
+        self.commands.put(("_record_job", job, delivery))
         with self.pipe_lock:
             if not self.open:  # (before the add: the engine's wait_idle must not see both idle)
                 self.open = True
-                self._send(("idle", False))
+                self._send_to_engine(("idle", False))
             if self.gone is None:
-                self._send(("add", job.id, job.n, [
+                self._send_to_engine(("add", job.id, job.n, [
                     (request_id, prompt, dataclasses.asdict(params))
                     for request_id, prompt, params in job.requests]))
                 return
         self._wake()  # (no answer will come: _add fails it)
 
-    def abort(self, job, choices=None, reason="abort"):
+    def end_job(self, job, choices=None, reason="abort"):
         """End a job's choices (default: all) still in the engine; reason, for the metrics: "stop"
         (a stop string ended it) or "abort"."""
-        self._put(("abort", job, choices, reason))
+        self._put(("_end_choices", job, choices, reason))
 
     def _put(self, command):
         self.commands.put(command)
@@ -5893,7 +5714,7 @@ class EngineLink:
         with contextlib.suppress(OSError):
             self.wake_writer.send(b"x")
 
-    def run(self):
+    def relay(self):
         while True:
             ready = multiprocessing.connection.wait(
                 [self.conn, self.wake_reader], POLL_SECONDS if self.deliveries else None)
@@ -5917,16 +5738,16 @@ class EngineLink:
                 with self.pipe_lock:  # (an add whose news is queued is open: it comes next)
                     if open_ or self.commands.empty():
                         self.open = open_
-                        self._send(("idle", not open_))
+                        self._send_to_engine(("idle", not open_))
 
     def _run_commands(self):
         while not self.commands.empty():
             command = self.commands.get()
             try:
-                getattr(self, "_" + command[0])(*command[1:])
+                getattr(self, command[0])(*command[1:])
             except Exception:
                 LOG.exception("the link failed on a %r command", command[0])
-                if command[0] == "add":  # (its HTTP thread waits on the delivery)
+                if command[0] == "_record_job":  # (its HTTP thread waits on the delivery)
                     job = command[1]
                     self.deliveries.pop(job, None)
                     self.jobs.pop(job.id, None)  # (the engine has it: ended when it answers)
@@ -5934,7 +5755,7 @@ class EngineLink:
                     command[2].error = APIError("internal error (logged by the server)", 500)
                     command[2].done.set()
 
-    def _send(self, message):
+    def _send_to_engine(self, message):
         try:
             with self.pipe_lock:
                 self.conn.send(message)
@@ -5967,12 +5788,12 @@ class EngineLink:
             if not (check or delivery.due(now)):
                 continue
             try:
-                delivery.take(lambda index: self._abort(job, [index], "stop"))
+                delivery.take_replies(lambda index: self._end_choices(job, [index], "stop"))
                 if delivery.stream:
-                    delivery.write(now)
-                if not delivery.finished and not (check and delivery.client_gone(now)):
+                    delivery.write_stream(now)
+                if not delivery.complete and not (check and delivery.client_gone(now)):
                     continue
-                delivery.gone = not delivery.finished
+                delivery.gone = not delivery.complete
             except APIError as e:
                 delivery.error = e
             except (ClientGone, OSError):
@@ -5981,20 +5802,20 @@ class EngineLink:
                 LOG.exception("a request's delivery failed")
                 delivery.error = APIError("internal server error (the server logged it)", 500)
             del self.deliveries[job]
-            if not delivery.finished:
-                self._abort(job, None, "abort")
+            if not delivery.complete:
+                self._end_choices(job, None, "abort")
             delivery.done.set()
 
     # -- commands of the HTTP threads
 
-    def _add(self, job, delivery):  # (add has sent it to the engine)
+    def _record_job(self, job, delivery):  # (submit has sent it to the engine)
         self.deliveries[job] = delivery
         if self.gone is not None:  # (the engine has failed: no request runs any more)
             job.replies.put(("failed", 503, self.gone))
             return
         self.jobs[job.id] = job
 
-    def _abort(self, job, choices, reason):
+    def _end_choices(self, job, choices, reason):
         if choices is None and self.jobs.pop(job.id, None) is not None:
             self.dropped[job.id] = [request_id for request_id, _, _ in job.requests]
         ended = []
@@ -6005,7 +5826,7 @@ class EngineLink:
                 ended.append(request_id)
                 self._ended(choice, reason)
         if ended:
-            self._send(("abort", ended))
+            self._send_to_engine(("abort", ended))
 
     # -- the engine's messages
 
@@ -6013,7 +5834,7 @@ class EngineLink:
         self.app.tokenizer, self.app.max_model_len = tokenizer, max_model_len
         self.app.vocab_size = vocab_size
         self.app.ready.set()
-        self._send(("ready",))
+        self._send_to_engine(("ready",))
 
     def _on_load_failed(self, message):
         self.app.load_error = message
@@ -6029,7 +5850,7 @@ class EngineLink:
             elif event[0] == "accepted":
                 job = self.jobs.pop(event[1], None)
                 if job is None:  # aborted while the engine took it: it ends here
-                    self._send(("abort", self.dropped.pop(event[1], [])))
+                    self._send_to_engine(("abort", self.dropped.pop(event[1], [])))
                     continue
                 for index, (request_id, prompt, _) in enumerate(job.requests):
                     self.live[request_id] = Choice(job, index)
@@ -6092,7 +5913,7 @@ class EngineLink:
         self.live.clear()
         while not self.commands.empty():  # (a job added meanwhile ends too)
             command = self.commands.get()
-            if command[0] == "add":
+            if command[0] == "_record_job":
                 self.deliveries[command[1]] = command[2]
                 command[1].replies.put(("failed", 503, message))
         self._serve_deliveries()  # each open delivery takes its job's failure, and ends
@@ -6210,7 +6031,6 @@ class Metrics:
 # then writes a non-streamed response, or an error. Whatever ends a request early (a client
 # gone, a failed write, an error) aborts the choices still running.
 
-LOG = logging.getLogger("08_serve")
 SERVE_FILE = os.path.abspath(__file__)  # what the HTTP process runs (Server)
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
 # A stream writes at most every STREAM_INTERVAL seconds (serve's stream_interval), a chunk
@@ -6447,7 +6267,7 @@ class ChoiceText:
         self.finish_reason = None
         self.offset = 0  # completions' text_offset: characters of the tokens' texts so far
 
-    def add(self, tokens, logprobs, finish_reason, stop_token_id):
+    def add_tokens(self, tokens, logprobs, finish_reason, stop_token_id):
         """New tokens (a step's, or several steps'); returns their text and logprob entries. The
         eos or stop id that ended the request counts as a token, and writes neither text nor a
         logprob."""
@@ -6455,14 +6275,14 @@ class ChoiceText:
         if not self.detokenizer.stop:  # every token counts, and their text comes at once
             self.num_tokens += len(tokens)
             texts = tokens[:-1] if tokens and tokens[-1] == stop_token_id else tokens
-            pieces.append(self.detokenizer.add_many(texts))
+            pieces.append(self.detokenizer.decode_next_many(texts))
             if self.with_logprobs:
                 entries = list(zip(texts, logprobs))
         for i, token in enumerate(tokens if self.detokenizer.stop else ()):
             self.num_tokens += 1
             if token == stop_token_id and i == len(tokens) - 1:
                 break
-            pieces.append(self.detokenizer.add(token))
+            pieces.append(self.detokenizer.decode_next(token))
             if self.with_logprobs:
                 entries.append((token, logprobs[i]))
             if self.detokenizer.stopped:  # the tokens after it were never part of the answer
@@ -6470,7 +6290,7 @@ class ChoiceText:
         if self.detokenizer.stopped:
             self.finish_reason = "stop"
         elif finish_reason is not None:
-            pieces.append(self.detokenizer.finish())
+            pieces.append(self.detokenizer.flush())
             self.finish_reason = finish_reason
         text = "".join(pieces)
         self.pieces.append(text)
@@ -6616,7 +6436,7 @@ class Delivery:
         self.since = time.monotonic()
 
     @property
-    def finished(self):
+    def complete(self):
         return all(choice.finish_reason is not None for choice in self.choices)
 
     def due(self, now):
@@ -6628,7 +6448,7 @@ class Delivery:
         return (not self.stream or now >= self.next_write or bool(self.pending)
                 or self.job.ending)
 
-    def take(self, stop):
+    def take_replies(self, stop):
         """The replies come so far, as text; stop(index): a stop string ended that choice, which
         the engine must stop too. A failure raises its APIError. A choice's replies of several
         steps are taken as one (ChoiceText.add gives the same text for them)."""
@@ -6658,7 +6478,7 @@ class Delivery:
             choice = self.choices[index]
             if choice.finish_reason is not None:  # a stop string ended it already
                 continue
-            text, entries = choice.add(tokens, logprobs, finish_reason, stop_token_id)
+            text, entries = choice.add_tokens(tokens, logprobs, finish_reason, stop_token_id)
             if choice.finish_reason is not None and finish_reason is None:
                 stop(index)
             if self.stream and (text or entries or choice.finish_reason):
@@ -6666,14 +6486,14 @@ class Delivery:
                 pieces.append(text)
                 all_entries += entries
 
-    def write(self, now):
+    def write_stream(self, now):
         """A stream's head once accepted, its chunks when due, and its end once finished; then
         as much of what is pending as the socket takes without waiting. ClientGone or OSError:
         drop the client."""
         if self.accepted and not self.started:
             self._queue(self.head, now)
             self.started = True
-        finished = self.finished and not self.ended
+        finished = self.complete and not self.ended
         if finished or (self.news and now >= self.next_write and not self.ended):
             events = [self.answer.chunk(self.choices[i], "".join(pieces), entries)
                       for i, (pieces, entries) in self.news.items()]
@@ -6817,7 +6637,7 @@ class Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RD)
         self.late = False
-        self.watchdog = self.server.deadlines.add(self.timeout, expire)
+        self.watchdog = self.server.deadlines.call_after(self.timeout, expire)
 
     def stop_deadline(self):
         if self.watchdog is not None:
@@ -7020,12 +6840,12 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"prompt": self.app.tokenizer.decode(ids)})
 
     def completions(self):
-        self.generate(chat=False)
+        self.serve_generation(chat=False)
 
     def chat_completions(self):
-        self.generate(chat=True)
+        self.serve_generation(chat=True)
 
-    def generate(self, chat):
+    def serve_generation(self, chat):
         body = self.read_json()
         self.check_model(body)
         tokenizer, engine = self.app.tokenizer, self.app.engine
@@ -7046,7 +6866,7 @@ class Handler(BaseHTTPRequestHandler):
                             self.timeout)
         self.connection.setblocking(False)
         try:
-            engine.add(job, delivery)
+            engine.submit(job, delivery)
             # (rarely awake: 64 threads waking every 50 ms take the interpreter lock from the
             # link's thread too)
             while not delivery.done.wait(1.0):
@@ -7056,8 +6876,8 @@ class Handler(BaseHTTPRequestHandler):
                     break
         finally:
             self.connection.settimeout(self.timeout)
-            if not delivery.finished:  # whatever ended it early: its choices end in the engine
-                engine.abort(job)
+            if not delivery.complete:  # whatever ended it early: its choices end in the engine
+                engine.end_job(job)
         if delivery.gone:
             raise ClientGone()
         if delivery.started:  # the status line is out (or pending): an error is an event now
@@ -7097,9 +6917,9 @@ class Deadlines:
     def __init__(self):
         self.heap, self.added = [], 0  # [when (time.monotonic), order added, action or None]
         self.changed = threading.Condition()
-        threading.Thread(target=self.run, name="deadlines", daemon=True).start()
+        threading.Thread(target=self.watch, name="deadlines", daemon=True).start()
 
-    def add(self, seconds, action):
+    def call_after(self, seconds, action):
         with self.changed:
             self.added += 1
             entry = [time.monotonic() + seconds, self.added, action]
@@ -7114,7 +6934,7 @@ class Deadlines:
         with self.changed:
             entry[2] = None
 
-    def run(self):
+    def watch(self):
         with self.changed:
             while True:
                 now = time.monotonic()
@@ -7315,7 +7135,7 @@ class Server:
                  str(theirs.fileno())], pass_fds=(listener.fileno(), theirs.fileno()),
                 start_new_session=True)  # (a Ctrl-C reaches this process only: it stops both)
         self.conn = multiprocessing.connection.Connection(ours.detach())
-        self._send(dict(module=__name__, api_key=api_key, model_name=self.model_name,
+        self._send_to_http(dict(module=__name__, api_key=api_key, model_name=self.model_name,
                         max_body_bytes=max_body_bytes, timeout=timeout,
                         stream_interval=stream_interval, max_connections=max_connections,
                         created=int(time.time()),
@@ -7334,7 +7154,7 @@ class Server:
         else:
             threading.Thread(target=self._load, args=(llm,), name="load", daemon=True).start()
 
-    def _send(self, message):
+    def _send_to_http(self, message):
         with self.send_lock:  # (the engine thread sends too)
             self.conn.send(message)
 
@@ -7351,7 +7171,7 @@ class Server:
                 LOG.exception("the model failed to load")
             self.load_error = e
             with contextlib.suppress(OSError):
-                self._send(("load failed", str(e)))
+                self._send_to_http(("load failed", str(e)))
             self.loaded.set()
 
     def _start(self, llm):
@@ -7363,10 +7183,10 @@ class Server:
             if self.stopped:
                 return
             self.llm = llm
-            self.engine = EngineThread(llm, self.conn, self._send, self._ready)
-            self._send(("ready", llm.tokenizer, llm.max_model_len, llm.model.cfg.vocab_size))
+            self.engine = EngineThread(llm, self.conn, self._send_to_http, self._on_http_ready)
+            self._send_to_http(("ready", llm.tokenizer, llm.max_model_len, llm.model.cfg.vocab_size))
 
-    def _ready(self):  # (the HTTP process has the tokenizer: every route is served)
+    def _on_http_ready(self):  # (the HTTP process has the tokenizer: every route is served)
         self.ready.set()
         self.loaded.set()
 
@@ -7378,7 +7198,7 @@ class Server:
     def wait_idle(self, timeout=None):
         """Wait until no request is left, in the engine or the HTTP process; whether none is
         (False: timed out)."""
-        return self.engine is None or self.engine.wait_idle(timeout)
+        return self.engine is None or self.engine.wait_until_idle(timeout)
 
     def shutdown(self, timeout=10.0):
         """Stop accepting, abort every running request (open streams end with an error event),
@@ -7390,7 +7210,7 @@ class Server:
         if self.engine is not None:
             self.engine.stop(timeout)  # (its last events fail the open requests)
         with contextlib.suppress(OSError):
-            self._send(("stop",))
+            self._send_to_http(("stop",))
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -7420,10 +7240,32 @@ def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None
 
 
 # ----------------------------------------------------------------------------------------------
-# The bench's models: random weights in Qwen3's shapes
+# Chapters 36 and 44. The benches: the server under concurrent streaming clients
 # ----------------------------------------------------------------------------------------------
-# Random bf16 weights in the shapes of Qwen3-0.6B and Qwen3-8B (no download): an engine's speed
-# depends on the shapes only.
+# Stage 07's bench harness, kept for the serving bench (gpu_only, Table; the random
+# models in Qwen3's shapes); its benches stay in stage 07.
+
+def gpu_only(name, device):
+    """Whether a GPU bench can run; says why not when it cannot."""
+    if device.type != "cuda":
+        print(f"{name} bench: needs a CUDA GPU (a CPU shows correctness, not speed); skipped")
+    return device.type == "cuda"
+
+
+class Table:
+    """A bench's table, a row printed as it comes. columns: (heading, width, format) each, e.g.
+    ("tok/s", 8, ",.0f"); a value that is a string is printed as it is."""
+
+    def __init__(self, title, columns):
+        self.columns = columns
+        print(f"\n{title}")
+        print("  " + " ".join(f"{heading:>{width}}" for heading, width, _ in columns))
+
+    def row(self, *values):
+        cells = [f"{v:>{width}}" if isinstance(v, str) else f"{v:>{width}{fmt}}"
+                 for v, (_, width, fmt) in zip(values, self.columns)]
+        print("  " + " ".join(cells), flush=True)
+
 
 BENCH_MODELS = {"Qwen3-0.6B": Qwen3Config(),
                 "Qwen3-8B": Qwen3Config(hidden_size=4096, intermediate_size=12288,
@@ -7447,9 +7289,6 @@ def random_model(cfg, device, dtype, seed=0):
     return model.use_kernels(device.type == "cuda").eval()
 
 
-# ----------------------------------------------------------------------------------------------
-# Chapter 36. The server: the bench (time to first token, time per output token, tokens/s)
-# ----------------------------------------------------------------------------------------------
 # NEW in stage 08. vLLM's `bench serve` in small: the server runs in this process on Qwen3-0.6B's
 # shape (random bf16 weights), and client threads send it streaming /v1/completions requests
 # over loopback HTTP from c clients, each on its own connection. Per request: the time to first
@@ -7635,7 +7474,7 @@ def offline_ttft(llm, prompts, params, concurrency, spread=0.0):
         if not engine.has_unfinished():  # (clients yet to start)
             time.sleep(max(0.0, min(at for at, _ in due.values()) - time.perf_counter()))
             continue
-        for seq in engine.advance():
+        for seq in engine.step_sequences():
             now, i = time.perf_counter(), seq.request_id
             if times[i][1] is None:
                 times[i][1] = now
@@ -7807,13 +7646,13 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
 
 
 # ----------------------------------------------------------------------------------------------
-# Putting it together
+# The demo and main
 # ----------------------------------------------------------------------------------------------
 
 def random_checkpoint(folder, seed):
     """Qwen3Config.tiny() with random weights, written in the Hugging Face layout: main's model
     when no --model is given. Embeddings of std 0.25 give logits of a few units, so that sampling
-    has choices to make; the norms' weights are not all 1, so that skipping one would show."""
+    has choices to make; norm weights other than 1 make a skipped norm show."""
     torch.manual_seed(seed)
     model = Qwen3(Qwen3Config.tiny())
     with torch.no_grad():
@@ -7824,29 +7663,25 @@ def random_checkpoint(folder, seed):
     return save_qwen3(model, folder)
 
 
-# main's tokenizer: GPT-2's first 8,192 tokens (the 256 bytes and the first 7,936 merges: what
-# GPT-2's BPE training had learnt by then, a byte-level BPE in its own right, whose output layer
-# costs a sixth of the full 50,257's), then GPT-2's <|endoftext|> and Qwen3's chat tokens, special
-# or not as Qwen3 declares them. The chat template is a short form of Qwen3's: the turns and the
-# thinking switch (the stage writes the chat format by hand and reads a template only to know
-# that it is Qwen3's, load_tokenizer).
+# main's tokenizer: GPT-2's first 8,192 tokens (the 256 bytes and 7,936 merges, a byte-level BPE
+# in its own right, at a sixth of the full vocabulary's output layer), then <|endoftext|> and
+# Qwen3's chat tokens. The chat template is a short form of Qwen3's: the stage writes the chat
+# format itself and reads a template only to know that it is Qwen3's (load_tokenizer).
 DEMO_RANKS = 8192
 DEMO_ADDED_TOKENS = [(DEMO_RANKS + i, content, special) for i, (content, special) in enumerate(
     [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<think>", False),
      ("</think>", False)])]
 DEMO_CHAT_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is "
+    "false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
 
 
 def demo_tokenizer(folder, data_dir=None):
-    """Write a Hugging Face tokenizer into `folder` for main's random model: GPT-2's byte-level
-    BPE from data/gpt2.tiktoken (downloaded on first use, 0.8 MB; see DEMO_RANKS) with Qwen3's
-    chat tokens, a chat template, and <|im_end|> and <|endoftext|> as the eos ids. Qwen3's own
-    tokenizer would be an 11 MB download, and the stage imports no `tokenizers` to train one,
-    so the files are written from GPT-2's ranks (byte_level_bpe_json). Returns the folder."""
+    """Write main's random model's tokenizer into `folder` (see DEMO_RANKS): GPT-2's ranks from
+    data/gpt2.tiktoken (downloaded on first use; Qwen3's own would be a far larger download) as a
+    byte-level BPE, a chat template, and <|im_end|>, <|endoftext|> as eos ids. Returns folder."""
     folder = Path(folder)
     ranks = read_ranks(data_file("gpt2.tiktoken", data_dir))
     spec = byte_level_bpe_json({token: rank for token, rank in ranks.items() if rank < DEMO_RANKS},
@@ -7955,10 +7790,8 @@ def check_args(parser, args):
         parser.error(f"--device {args.device}: this stage runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA GPU")
-    if args.data_dir:
-        problem = unusable_folder(Path(args.data_dir))
-        if problem:
-            parser.error(f"--data-dir {args.data_dir}: {problem}")
+    if args.data_dir is not None:
+        check_data_dir(parser, args.data_dir)
     for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                         ("--served-model-name", args.served_model_name)):
         if value is not None and not value.strip():
@@ -7983,22 +7816,19 @@ def check_args(parser, args):
                          f"Qwen/Qwen3-0.6B")
 
 
-def unusable_folder(folder):
-    """Why `folder` cannot be the download cache, or None: it is a file, or it cannot be created
-    (under a file, or where no folder can be made, such as /proc). Found by creating it; the
-    folders made to find out are removed again, as a failed download leaves none behind."""
-    if folder.exists():
-        return None if folder.is_dir() else "is a file, not a directory"
-    made = [folder, *(p for p in folder.parents if not p.exists())]  # (innermost first)
+def check_data_dir(parser, data_dir):
+    """--data-dir must be a directory, or one that can be made: made to see, then removed (a
+    download makes it again, when it has something to put there)."""
+    path = Path(data_dir)
+    if path.exists() and not path.is_dir():
+        parser.error(f"--data-dir {data_dir} is a file, not a directory")
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
     try:
-        folder.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        return f"cannot be created ({e.strerror})"
-    finally:
-        for path in made:
-            with contextlib.suppress(OSError):
-                path.rmdir()
-    return None
+        parser.error(f"--data-dir {data_dir}: cannot be made ({e.strerror or e})")
+    for folder in made:
+        folder.rmdir()
 
 
 def load_llm(args, source):
@@ -8158,11 +7988,9 @@ def _num_sms(device):
 
 
 if INTERPRET:
-    # Triton 3.6's interpreter hands scalar arguments to a kernel as 1-element arrays and turns loop
-    # bounds into ints with int(array), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed
-    # after 3.6). Convert through .item() instead; every other piece of the interpreter is untouched.
+    # Triton 3.6's interpreter makes loop bounds ints with int() of 1-element arrays, which NumPy
+    # >= 2.4 refuses (triton-lang/triton#9171, fixed after 3.6): convert through .item() instead.
     from triton.runtime import interpreter as _interpreter
-
     _patch_lang_tensor = _interpreter._patch_lang_tensor
 
     def _patch_lang_tensor_item(tensor, scope):
@@ -8179,7 +8007,7 @@ if INTERPRET:
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 # name -> (url, sha256). data/README.md lists the same files with their sizes and licences.
-DATA_FILES = {
+DATA_FILES = {  # changed in 07: GPT-2's ranks only, the tokenizer of main's random model
     "gpt2.tiktoken": (
         "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
         "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",

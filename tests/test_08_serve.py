@@ -185,11 +185,11 @@ def detokenize(q8, table, ids, stop=(), special=frozenset(), rng=None):
     random groups through add_many instead (a stream's chunk), which must give the same text."""
     d = q8.Detokenizer(table, special, stop)
     if rng is None:
-        pieces = [d.add(t) for t in ids]
+        pieces = [d.decode_next(t) for t in ids]
     else:
         cuts = sorted(rng.sample(range(len(ids) + 1), rng.randint(0, len(ids) + 1)))
-        pieces = [d.add_many(ids[i:j]) for i, j in zip([0, *cuts], [*cuts, len(ids)])]
-    return pieces + [d.finish()], d.stopped
+        pieces = [d.decode_next_many(ids[i:j]) for i, j in zip([0, *cuts], [*cuts, len(ids)])]
+    return pieces + [d.flush()], d.stopped
 
 
 def full_decode_cut(table, ids, stop=(), special=frozenset()):
@@ -233,15 +233,15 @@ def test_detokenizer_hard_cases(q8):
     assert detokenize(q8, table, [0, 1, 2, 3])[0] == ["", "", "€", "x", ""]
     # a stop string over three tokens: held back, never sent, and the text ends before it
     d = q8.Detokenizer(table, frozenset(), ["STOP"])
-    assert [d.add(i) for i in (3, 4, 5)] == ["x", "", ""]
-    assert d.add(6) == "" and d.stopped and d.add(3) == "" and d.finish() == ""
+    assert [d.decode_next(i) for i in (3, 4, 5)] == ["x", "", ""]
+    assert d.decode_next(6) == "" and d.stopped and d.decode_next(3) == "" and d.flush() == ""
     # what was held back is released when it stops being a stop string's start
     d = q8.Detokenizer(table, frozenset(), ["STOP"])
-    assert [d.add(i) for i in (4, 5, 7)] == ["", "", "STOO"]
+    assert [d.decode_next(i) for i in (4, 5, 7)] == ["", "", "STOO"]
     # a stop string that ends inside a split character waits for the character
     d = q8.Detokenizer(table, frozenset(), ["x€"])
-    assert [d.add(i) for i in (3, 0, 1)] == ["", "", ""] and not d.stopped
-    assert d.add(2) == "" and d.stopped
+    assert [d.decode_next(i) for i in (3, 0, 1)] == ["", "", ""] and not d.stopped
+    assert d.decode_next(2) == "" and d.stopped
     # overlapping stop strings: the first to appear as the text grows ends it; of two that one
     # token completes, the one that starts first
     table = [b"ab", b"cd", b"e"]
@@ -931,7 +931,7 @@ def test_an_unexpected_error_is_a_500_and_the_server_goes_on(q8, server, client,
                                               "ignore_eos": True, "stream": True})
     with sock, monkeypatch.context() as m:
         assert read_stream(sock_file, 1)[0]["choices"][0]["text"]  # under way
-        m.setattr(llm.engine, "advance", broken)
+        m.setattr(llm.engine, "step_sequences", broken)
         events = read_stream(sock_file, None)  # (to the stream's last chunk)
     check_envelope(events[-1], 500)
     assert client.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
@@ -986,13 +986,13 @@ def test_metrics_describe_the_engine_after_a_disconnect(q8, server, client, llm,
     """A stream whose client hangs up mid-way is aborted, and no other request makes the engine
     step again: the gauges still come down to the engine's own state (nothing running, every
     KV block free), not the state of the last step before the abort."""
-    advance = llm.engine.advance
+    advance = llm.engine.step_sequences
 
     def slow():  # (the stream is still running when its client leaves)
         time.sleep(0.02)
         return advance()
 
-    monkeypatch.setattr(llm.engine, "advance", slow)
+    monkeypatch.setattr(llm.engine, "step_sequences", slow)
     before = scrape(client)
     sock, sock_file = stream_request(server, {"prompt": PROMPTS[1], "max_tokens": 200,
                                               "ignore_eos": True, "stream": True})
@@ -1163,13 +1163,13 @@ def test_a_client_gone_from_a_non_streamed_answer_is_aborted(server, llm, monkey
     """Tokens keep coming to a non-streamed request, so its thread never waits long for one
     and never writes: it must still notice its client gone, and the engine abort the request
     well before its 250 tokens (5 s at the slowed step) are done."""
-    advance = llm.engine.advance
+    advance = llm.engine.step_sequences
 
     def slow():
         time.sleep(0.02)
         return advance()
 
-    monkeypatch.setattr(llm.engine, "advance", slow)
+    monkeypatch.setattr(llm.engine, "step_sequences", slow)
     body = json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
@@ -1311,10 +1311,10 @@ def test_deadlines_run_their_actions_in_time_unless_cancelled(q8):
         return run
 
     start = time.monotonic()
-    deadlines.add(0.3, action("late"))
-    cancelled = deadlines.add(0.1, action("cancelled"))
-    deadlines.add(0.05, action("raises"))
-    deadlines.add(0.15, action("soon"))  # (sooner than the first: the thread's wait is cut)
+    deadlines.call_after(0.3, action("late"))
+    cancelled = deadlines.call_after(0.1, action("cancelled"))
+    deadlines.call_after(0.05, action("raises"))
+    deadlines.call_after(0.15, action("soon"))  # (sooner than the first: the thread's wait is cut)
     deadlines.cancel(cancelled)
     wait_for(lambda: len(ran) == 3)
     assert [name for name, _ in ran] == ["raises", "soon", "late"]
@@ -1385,9 +1385,9 @@ def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, l
     sock = StallingSocket([5, 0, 0, 3, 0, 7] * 20)
     d = delivery(sock)
     now = 0.0
-    while not d.finished or d.pending:  # a step's replies a call; then the rest, call by call
-        d.take(lambda index: pytest.fail("no stop string here"))
-        d.write(now)
+    while not d.complete or d.pending:  # a step's replies a call; then the rest, call by call
+        d.take_replies(lambda index: pytest.fail("no stop string here"))
+        d.write_stream(now)
         now += 0.1
     assert d.started and sock.data.startswith(head)
     body = unchunk(sock.data[len(head):])
@@ -1399,21 +1399,21 @@ def test_a_stream_waits_for_a_slow_client_and_drops_one_that_stops_reading(q8, l
     sock = StallingSocket([100] * 10)
     d = delivery(sock, engine_answer=("refused", "the prompt is too long"))
     with pytest.raises(q8.APIError) as refused:
-        d.take(lambda index: pytest.fail("refused: nothing runs"))
+        d.take_replies(lambda index: pytest.fail("refused: nothing runs"))
     assert refused.value.status == 400 and "too long" in str(refused.value)
     assert not d.started and not d.pending and sock.data == b""
 
     d = delivery(StallingSocket([0] * 100), timeout=1.0)  # reads nothing
-    d.take(lambda index: None)
-    d.write(10.0)
-    d.write(10.9)  # less than timeout since the bytes were queued: it waits
+    d.take_replies(lambda index: None)
+    d.write_stream(10.0)
+    d.write_stream(10.9)  # less than timeout since the bytes were queued: it waits
     with pytest.raises(q8.ClientGone):
-        d.write(11.1)
+        d.write_stream(11.1)
     monkeypatch.setattr(q8, "MAX_PENDING_BYTES", 100)
     d = delivery(StallingSocket([0] * 100))
-    d.take(lambda index: None)
+    d.take_replies(lambda index: None)
     with pytest.raises(q8.ClientGone):  # the whole stream is over 100 bytes
-        d.write(0.0)
+        d.write_stream(0.0)
 
 
 def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
@@ -1439,7 +1439,7 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
     stops = []
     for i in range(len(ids)):
         job.replies.put(reply(i))
-        one.take(stops.append)
+        one.take_replies(stops.append)
     assert stops == [0] and one.choices[0].finish_reason == "stop"
     expected = tokenizer.decode(ids)
     assert "".join(one.choices[0].pieces) == expected[:expected.index(stop_at)]
@@ -1447,17 +1447,17 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
     d, job = new_delivery()
     assert d.due(0.0)  # the first write is due at once
     job.replies.put(reply(0))
-    d.take(pytest.fail)
-    d.write(0.0)  # next write at 1.0
+    d.take_replies(pytest.fail)
+    d.write_stream(0.0)  # next write at 1.0
     stops = []
     for i in range(1, len(ids) - 1):  # all but the last, which ends the engine's request
         assert not d.due(0.5)  # replies wait for the write
         job.replies.put(reply(i))
     assert d.due(1.0)
-    d.take(stops.append)
+    d.take_replies(stops.append)
     assert stops == [0] and d.choices[0].finish_reason == "stop"
     job.replies.put(reply(len(ids) - 1))
-    d.take(stops.append)
+    d.take_replies(stops.append)
     assert stops == [0]
     merged, single = d.choices[0], one.choices[0]
     assert "".join(merged.pieces) == "".join(single.pieces) and len(merged.pieces) == 2
@@ -1465,8 +1465,8 @@ def test_a_stream_takes_its_replies_when_a_write_is_due(q8, llm):
 
     d, job = new_delivery()
     job.replies.put(reply(0))
-    d.take(pytest.fail)
-    d.write(0.0)
+    d.take_replies(pytest.fail)
+    d.write_stream(0.0)
     job.replies.put(reply(1))
     job.ending = True  # (the engine thread's mark: a choice's last reply is queued)
     assert d.due(0.5)
@@ -1547,7 +1547,7 @@ def test_an_add_leaves_on_its_own_thread_and_its_answer_finds_the_job(q8, llm):
         assert held.wait(10)
         server_end.setblocking(False)
         job, d = stream_delivery(q8, llm, {"max_tokens": 1}, server_end, b"head;")
-        link.add(job, d)  # the link's thread is held: the add cannot go through it
+        link.submit(job, d)  # the link's thread is held: the add cannot go through it
         assert engine.poll(10) and engine.recv() == ("idle", False)
         message = engine.recv()
         assert message[:3] == ("add", job.id, 1) and message[3][0][0] == f"{job.id}-0"
@@ -1573,14 +1573,14 @@ def test_an_add_leaves_on_its_own_thread_and_its_answer_finds_the_job(q8, llm):
 
 
 def test_an_add_the_link_fails_on_is_a_500_and_ends_in_the_engine(q8, llm, monkeypatch):
-    """A bug in the link's bookkeeping of an add (EngineLink._add raising): the HTTP thread's
+    """A bug in the link's bookkeeping of an add (EngineLink._record_job raising): the HTTP thread's
     delivery ends with a 500, and the add it already sent is aborted once the engine accepts."""
     link, engine = link_and_engine(q8)
-    monkeypatch.setattr(link, "_add", lambda job, delivery: 1 / 0)
+    monkeypatch.setattr(link, "_record_job", lambda job, delivery: 1 / 0)
     job, d = stream_delivery(q8, llm, {"max_tokens": 5}, None)
     link.thread.start()
     try:
-        link.add(job, d)
+        link.submit(job, d)
         assert engine.poll(10) and engine.recv() == ("idle", False)
         assert engine.recv()[:2] == ("add", job.id)
         engine.send(("events", [("accepted", job.id)], {}))
@@ -1799,7 +1799,7 @@ def test_an_engine_that_cannot_be_reset_ends_its_requests_and_the_server_answers
     server = q8.serve(spare)
     try:
         client = Client(server.url, key=None)
-        monkeypatch.setattr(spare.engine, "advance", broken)
+        monkeypatch.setattr(spare.engine, "step_sequences", broken)
         monkeypatch.setattr(spare.engine, "reset", broken)
         status, _, data = client.request("POST", "/v1/completions", {
             "prompt": "x", "max_tokens": 5, "stream": True})
@@ -1861,7 +1861,7 @@ def test_help_describes_the_stage_in_whole_sentences(q8, capsys):
     assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # (argparse wraps lines its own way)
     first = " ".join(q8.__doc__.split("\n\n")[0].split())
-    assert first.endswith("(book chapters 35-37).") and first in out
+    assert first.startswith("Stage 08: ") and first.endswith(".") and first in out
     assert "but /, /health and /metrics" in out
 
 
@@ -2157,13 +2157,13 @@ def test_the_chat_page_in_a_headless_browser(q8, spare, browser, key, monkeypatc
         element("temperature").clear()
         element("temperature").send_keys("0")
 
-        advance = spare.engine.advance
+        advance = spare.engine.step_sequences
 
         def slow():  # (the reply is still coming when Stop is pressed)
             time.sleep(0.05)
             return advance()
 
-        monkeypatch.setattr(spare.engine, "advance", slow)
+        monkeypatch.setattr(spare.engine, "step_sequences", slow)
         send("Tell me a story.")
         wait.until(lambda _: len(log()) == 2 and log()[1][1] or text("error"))
         assert text("error") == ""
@@ -2278,13 +2278,13 @@ def test_offline_ttft_runs_the_clients_on_the_engine(q8):
     llm = q8.LLM(q8.random_model(cfg, torch.device("cpu"), torch.float32), max_model_len=64)
     prompts = q8.random_prompts(cfg.vocab_size, [8, 5, 11, 7, 9, 6], seed=4)
     params = q8.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    outputs, advance = {}, llm.engine.advance
+    outputs, advance = {}, llm.engine.step_sequences
 
     def watched():  # the output of each request as it ends
         seqs = advance()
         outputs.update((seq.request_id, seq.output_token_ids) for seq in seqs if seq.is_finished)
         return seqs
-    llm.engine.advance = watched
+    llm.engine.step_sequences = watched
     times = q8.offline_ttft(llm, prompts, params, 3, spread=0.6)
     assert len(times) == 6
     for i, (arrival, first, end) in enumerate(times):
@@ -2295,7 +2295,7 @@ def test_offline_ttft_runs_the_clients_on_the_engine(q8):
     assert not llm.engine.has_unfinished()
     blocks = llm.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
-    del llm.engine.advance
+    del llm.engine.step_sequences
     alone = llm.generate(prompts, params)
     assert [outputs[i] for i in range(6)] == [out.token_ids for out in alone]
 
@@ -2318,8 +2318,8 @@ BAD_FLAGS = [
     (["--api-key", ""], "--api-key is empty"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--data-dir", "FILE"], "is a file, not a directory"),
-    (["--data-dir", "/dev/null/x"], "--data-dir /dev/null/x: cannot be created"),
-    (["--data-dir", "/proc/x/y"], "--data-dir /proc/x/y: cannot be created"),
+    (["--data-dir", "/dev/null/x"], "--data-dir /dev/null/x: cannot be made"),
+    (["--data-dir", "/proc/x/y"], "--data-dir /proc/x/y: cannot be made"),
     (["--stream-interval", "-0.1"], "--stream-interval: must be a number of seconds >= 0"),
     (["--max-connections", "0"], "--max-connections: must be a positive integer"),
     (["--stream-interval", "nan"], "--stream-interval: must be a number of seconds >= 0"),
@@ -2510,7 +2510,7 @@ def test_random_engines_give_the_plain_engines_outputs(q8, checkpoint, reference
 
 
 def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch):
-    """capture_graphs' made-up steps, recorded on the CPU in place of the graphed forward: one a
+    """capture_graphs' made-up steps, recorded on the CPU in place of the graphed run: one a
     tokens bucket up to the budget, of the bucket's tokens exactly, not decode-shaped, within
     the graphs' sequences, with as many decodes as those allow up to an eighth of the tokens,
     and every token in the scratch block; none for a bucket captured already. Without graphs
@@ -2518,12 +2518,12 @@ def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch
     assert reference.capture_graphs() == 0
     model = q8.random_model(q8.Qwen3Config.tiny(), torch.device("cpu"), torch.float32)
     runner = q8.ModelRunner(model, 64, 16, 256, max_num_seqs=8)
-    assert runner.capture_graphs(1000) == 0
+    assert runner.capture_step_graphs(1000) == 0
     steps = []
     runner.graphs = types.SimpleNamespace(rows=8, graphs={})
-    monkeypatch.setattr(runner, "forward", steps.append)
+    monkeypatch.setattr(runner, "run", steps.append)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    runner.capture_graphs(1000)
+    runner.capture_step_graphs(1000)
     buckets = sorted({q8.token_bucket(n) for n in range(2, 1001)})
     assert [sum(len(e[0]) for e in entries) for entries in steps] == buckets
     scratch = runner.scratch_slot // 16
@@ -2535,7 +2535,7 @@ def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch
             assert start + len(ids) <= 256 and set(table) == {scratch}
             assert len(table) * 16 >= start + len(ids)
     runner.graphs.graphs = {(tokens, False): None for tokens in buckets}
-    runner.capture_graphs(1000)  # (the server's, after the bench's): each is captured already
+    runner.capture_step_graphs(1000)  # (the server's, after the bench's): each is captured already
     assert len(steps) == len(buckets)
 
 
@@ -2572,7 +2572,7 @@ def test_gpu_mixed_step_graphs_equal_eager(q8):
         + [(prompts[5][12:], None, 12, tables[5], 1)],
     ]
     for entries in steps:
-        graphed, eager = (runner.forward(entries) for runner in runners)
+        graphed, eager = (runner.run(entries) for runner in runners)
         assert graphed.shape == eager.shape == (sum(e[4] for e in entries), 1000)
         assert close(graphed, eager)
     assert sorted(runners[0].graphs.graphs) == [(16, False), (24, False), (48, False)]
