@@ -362,6 +362,10 @@ def _resolve_device_dtype(folder, device, dtype):
     on a GPU (Qwen3 ships bf16) and float32 on a CPU, where bf16 matmuls are slow."""
     device = torch.device(device if device is not None
                           else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device}: this stage runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: this machine has no CUDA GPU")
     if dtype is None and device.type == "cuda":
         hf = read_hf_config(folder / "config.json", ())
         name = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")

@@ -207,6 +207,26 @@ def test_logits_match_transformers(q7, tmp_path, case):
     assert expected.std() > 1  # logits of some size: a test on near-zero logits proves little
 
 
+@torch.no_grad()
+def test_bf16_forward_rounds_as_transformers_does(q7, hf_dir):
+    """In bf16 the torch path computes every op as transformers does, rounding included: RMSNorm's
+    statistics in fp32, then a rounding, then the weight (a norm computed in bf16 throughout
+    differs), and a bf16 model's logits bitwise equal to transformers' own bf16 load (eager
+    attention; RoPE's frequencies kept in fp32, as from_pretrained keeps them)."""
+    from transformers import Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    x = (torch.randn(4, 7, 96, generator=torch.Generator().manual_seed(0)) * 5 + 2).bfloat16()
+    ours, theirs = q7.RMSNorm(96, 1e-6).bfloat16(), Qwen3RMSNorm(96, eps=1e-6).bfloat16()
+    theirs.weight.copy_(torch.rand(96, generator=torch.Generator().manual_seed(1)) + 0.5)
+    ours.weight.copy_(theirs.weight)
+    assert torch.equal(ours(x), theirs(x))
+    hf = Qwen3ForCausalLM.from_pretrained(hf_dir[1], dtype=torch.bfloat16,
+                                          attn_implementation="eager").eval()
+    model = q7.load_qwen3(hf_dir[1], device="cpu", dtype=torch.bfloat16)
+    ids = torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    assert torch.equal(model(ids), hf(ids).logits)
+
+
 def test_load_reads_each_tensor_once_straight_to_its_dtype(q7, hf_dir, monkeypatch):
     reads = []
     real_open = q7.safe_open
@@ -1736,7 +1756,9 @@ def test_penalties_match_their_definitions(q7):
     P = q7.SamplingParams
     params = [P(repetition_penalty=5.0, temperature=0), P(presence_penalty=0.7, frequency_penalty=-0.4),
               P(repetition_penalty=0.8, frequency_penalty=1.1)]
-    prompts = [[1, 2], [3], [0, 4, 4]]
+    # row 1's prompt holds 4, which its output never does: the presence and frequency
+    # penalties count the output only (vLLM's), the repetition penalty the prompt too
+    prompts = [[1, 2], [3, 4], [0, 4, 4]]
     batch = sampling_batch(q7, params, prompts, vocab=6)
     outputs = [[2, 5, 5], [3, 3, 1], [5, 0, 4]]
     for step in range(3):
@@ -1766,6 +1788,12 @@ def test_a_seed_gives_the_same_tokens_in_any_batch(q7, llm):
     assert crowd[1].token_ids == alone == crowd[4].token_ids  # two batches: 4 rows, then 1
     assert crowd[3].token_ids != alone  # another seed, another sample
     assert llm.generate([PROMPTS[0]], seeded)[0].token_ids == alone
+    # the seed decides, not the global random state: a request's own stream
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        assert llm.generate([PROMPTS[0]], seeded)[0].token_ids == alone
+    reseeded = dataclasses.replace(seeded, seed=8)  # nothing else changed
+    assert llm.generate([PROMPTS[0]], reseeded)[0].token_ids != alone
 
 
 # ----------------------------------------------------------------------- structured output
@@ -2130,6 +2158,51 @@ def test_constraint_errors(q7, kwargs, message):
         q7.compile_grammar(**kwargs)
 
 
+def json_valid(text, kind):
+    """Python's json module as the oracle: whether `text` is one JSON value of schema type
+    `kind` (NaN and Infinity refused; a \\u escape of a surrogate refused, as the grammar does)."""
+    def refuse(name):
+        raise ValueError(name)
+    try:
+        value = json.loads(text, parse_constant=refuse)
+    except ValueError:
+        return False
+    if isinstance(value, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        return False
+    return has_type(value, kind)
+
+
+BOUNDARY_CHARS = [0x00, 0x08, 0x09, 0x0A, 0x1E, 0x1F, 0x20, 0x21, 0x22, 0x23, 0x2F, 0x30, 0x39,
+                  0x3A, 0x40, 0x41, 0x46, 0x47, 0x5B, 0x5C, 0x5D, 0x60, 0x61, 0x66, 0x67, 0x7E,
+                  0x7F, 0x80, 0x7FF, 0x800, 0xD7FF, 0xE000, 0xFFFF, 0x10000, 0x10FFFF]
+
+
+def test_json_character_classes_at_every_boundary(q7):
+    """Every boundary of each character class the JSON grammar uses, against Python's json:
+    a string's raw characters (controls end at U+001F, then '"' and '\\'), its escapes (the
+    letters after a backslash, the hex digits of \\u, surrogates), and numbers' digits, signs,
+    point and exponent."""
+    texts = {"string": [], "number": [], "integer": []}
+    for c in BOUNDARY_CHARS:
+        texts["string"].append('"' + chr(c) + '"')
+        if c < 0x80:
+            texts["string"].append('"\\' + chr(c) + '"')
+            for at in range(4):
+                texts["string"].append('"\\u' + "0041"[:at] + chr(c) + "0041"[at + 1:] + '"')
+    for prefix in ("d7ff", "d800", "dbff", "dc00", "dfff", "e000", "D800", "DFFF"):
+        texts["string"].append('"\\u' + prefix + '"')
+    for c in "+-./0189:eE":
+        for text in (c, "1" + c, c + "1", "1" + c + "1", "0" + c, "-" + c, "1.5" + c + "2",
+                     "1e" + c + "2", "1E" + c):
+            texts["number"].append(text)
+            texts["integer"].append(text)
+    for kind, candidates in texts.items():
+        dfa = q7.compile_grammar(json_schema={"type": kind})
+        for text in candidates:
+            data = text.encode("utf-8", "surrogatepass")
+            assert dfa.matches(data) == json_valid(text, kind), (kind, text)
+
+
 def test_choice_accepts_exactly_its_strings(q7):
     choices = ["yes", "no", "né", "", "yes!", "😀"]
     dfa = q7.compile_grammar(choice=choices)
@@ -2453,6 +2526,11 @@ def test_bad_llm_arguments(q7, hf_dir):
         q7.LLM(model, tokenizer=type("T", (), {"encode": None})())
     with pytest.raises(ValueError, match="dtype torch.int8 is not supported"):
         q7.LLM(hf_dir[1], device="cpu", dtype=torch.int8)
+    with pytest.raises(ValueError, match="device meta: this stage runs on cpu or cuda"):
+        q7.LLM(hf_dir[1], device="meta")
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="device cuda: this machine has no CUDA GPU"):
+            q7.LLM(hf_dir[1], device="cuda")
     with pytest.raises(ValueError, match="enforce_eager = 1 must be True or False"):
         q7.LLM(model, enforce_eager=1)
     with pytest.raises(ValueError, match="async_scheduling = 'yes' must be True or False"):

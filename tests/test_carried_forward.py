@@ -403,6 +403,25 @@ def test_inherited_definitions_are_copies(before, after):
                              re.MULTILINE), f"{after}.{name}: no test {test}"
 
 
+@pytest.mark.parametrize("stage_name", ["07_engine", "08_serve"])
+def test_one_name_a_role(stage_name):
+    """No method name is defined by two classes of an engine stage unless one overrides it: a
+    name shared by unrelated classes (an engine's advance and a grammar's advance) loses the
+    reader and the tools. An override (of nn.Module.forward, of http.server's finish, of a
+    Proposer's propose) keeps the name its base chose."""
+    stage = load_stage(stage_name)
+    owners = {}
+    for cls in vars(stage).values():
+        if not (isinstance(cls, type) and cls.__module__ == stage.__name__):
+            continue
+        for name, value in vars(cls).items():
+            if (name.startswith("__") or not callable(getattr(value, "__get__", None))
+                    or any(hasattr(base, name) for base in cls.__mro__[1:])):
+                continue
+            owners.setdefault(name, []).append(cls.__name__)
+    assert {name: classes for name, classes in owners.items() if len(classes) > 1} == {}
+
+
 # -- each stage's GPT against transformers: the reference the kernel tests compare with --------
 
 @pytest.fixture(scope="module")
