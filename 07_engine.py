@@ -2578,24 +2578,31 @@ class Sequence:
 
 
 @dataclass
-class RequestOutput:
-    """A request's result: what generate returns for a prompt, and what LLMEngine.step returns
-    for each request that advanced (then token_ids so far, and finish_reason None until the
-    request ends)."""
-    prompt_token_ids: list
-    token_ids: list  # the generated ids, the eos or stop id that ended the request included
-    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
-    #                   (skip_special_tokens), without special tokens; None without a tokenizer,
-    #                   and until the request ends
+class CompletionOutput:
+    """One completion of a request (vLLM's name): index j of its n."""
+    index: int
+    token_ids: list  # the generated ids, the eos or stop id that ended it included
+    text: str | None  # their text, without that final eos or stop id and (vLLM's default,
+    #                   skip_special_tokens) without special tokens; None without a tokenizer,
+    #                   and until it ends
     finish_reason: str | None  # "stop": an eos or stop id, or structured output complete;
-    #                            "length": max_tokens or the context limit; "abort"
-    logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
-    #                               id and the top ones
-    request_id: object = None
+    #                            "length": max_tokens or the context limit; "abort"; None: running
+    logprobs: list | None = None  # when asked: a {id: logprob} a token, the sampled id's and the
+    #                               top ones
+
+
+@dataclass
+class RequestOutput:
+    """A request's result (vLLM's shape): what LLM.generate returns for a prompt, its n
+    completions in `outputs`, and what LLMEngine.step returns for each request that advanced
+    (one completion, its tokens so far)."""
+    request_id: object
+    prompt_token_ids: list
+    outputs: list  # CompletionOutput, n of them
 
     @property
     def finished(self):
-        return self.finish_reason is not None
+        return all(out.finish_reason is not None for out in self.outputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3203,6 +3210,7 @@ class SamplingParams:
     """How one request samples and when it stops. Checked on construction: a bad value is a
     ValueError naming the field, here, rather than a wrong result on the device later."""
     max_tokens: int | None = 16  # tokens to generate at most; None: up to the context limit
+    n: int = 1  # completions of the prompt (LLM.generate; with a seed, completion j uses seed + j)
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # keep the k likeliest tokens (ties with the k-th kept too); 0: all
     top_p: float = 1.0  # keep the likeliest tokens until their probability reaches top_p; 1: all
@@ -3212,6 +3220,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     seed: int | None = None  # this request's own random stream; None: torch's global one
     stop_token_ids: tuple = ()  # ids that end the request ("stop"), besides the eos ids
+    # Stop strings are matched on the text as it streams, held back until they are decided:
+    # stage 08's Detokenizer (chapter 35). Here a non-empty one is an error saying so.
+    stop: tuple | None = None
     ignore_eos: bool = False  # do not stop at the eos ids
     logprobs: int | None = None  # report the sampled token's logprob and this many top ones
     regex: str | None = None  # structured output: the text must match this regex,
@@ -3225,6 +3236,9 @@ class SamplingParams:
 
         need(self.max_tokens is None or _is_int(self.max_tokens) and self.max_tokens >= 1,
              "max_tokens", "must be a positive int, or None for up to the context limit")
+        need(_is_int(self.n) and self.n >= 1, "n", "must be a positive int")
+        need(not self.stop, "stop", "stop strings are matched on the streamed text, stage 08's "
+             "work (its Detokenizer and server); here, end a request with stop_token_ids")
         need(_is_number(self.temperature) and self.temperature >= 0, "temperature",
              "must be a finite number >= 0 (0 is greedy)")
         need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0 (0 keeps all)")
@@ -3455,6 +3469,9 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: n = {params.n}: the engine runs one "
+                             f"completion a request; LLM.generate runs n as n requests")
         ids = self._prompt_ids(request_id, prompt)
         max_tokens = self._check_request(request_id, ids, params)
         generator = None
@@ -3678,13 +3695,17 @@ class LLMEngine:
 
     def output(self, seq):
         """The RequestOutput of a sequence as it stands."""
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, [self.completion(seq)])
+
+    def completion(self, seq, index=0):
+        """A sequence's CompletionOutput as it stands."""
         ids = seq.output_token_ids
         text = None
         if self.tokenizer is not None and seq.is_finished:  # the ending eos or stop id: no text
             text_ids = ids if seq.stop_token_id is None else ids[:-1]
             text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
-                             None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
+        return CompletionOutput(index, ids, text, seq.finish_reason,
+                                None if seq.logprobs is None else list(seq.logprobs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3827,18 +3848,23 @@ class LLM:
     def generate(self, prompts, sampling_params=None):
         """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
         of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
-        defaults. Every prompt and its limits are checked before any work starts."""
+        defaults. A prompt's n completions are n requests to the engine, completion j seeded
+        seed + j (so that they differ, and each can be drawn again alone). Every prompt and its
+        limits are checked before any work starts."""
         prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         engine = self.engine
         engine.reset()  # a fresh start, even after an interrupted call
-        seqs = [engine.new_sequence(i, prompt, p)
+        seqs = [[engine.new_sequence(i if p.n == 1 else (i, j), prompt, dataclasses.replace(
+                    p, n=1, seed=None if p.seed is None else p.seed + j)) for j in range(p.n)]
                 for i, (prompt, p) in enumerate(zip(prompts, params))]
-        for seq in seqs:
+        for seq in (seq for group in seqs for seq in group):
             engine.add_sequence(seq)
         while engine.has_unfinished():
             engine.step_sequences()
-        return [engine.output(seq) for seq in seqs]
+        return [RequestOutput(i, group[0].prompt_token_ids,
+                              [engine.completion(seq, j) for j, seq in enumerate(group)])
+                for i, group in enumerate(seqs)]
 
     @staticmethod
     def _prompt_list(prompts):
@@ -5295,7 +5321,7 @@ def run_workload(llm, requests, temperature=0.6):
     outputs = llm.generate([prompt for prompt, _ in requests], params)
     _sync()
     seconds = time.perf_counter() - start
-    assert all(len(o.token_ids) == out for o, (_, out) in zip(outputs, requests))
+    assert all(len(o.outputs[0].token_ids) == out for o, (_, out) in zip(outputs, requests))
     return seconds, sum(out for _, out in requests), sum(len(p) for p, _ in requests)
 
 
@@ -5444,7 +5470,7 @@ def speculative_rate(model, prompts, params, speculative=None, proposer=None):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         _sync()
-        rate = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+        rate = sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
         counts = {k: v - before.get(k, 0) for k, v in llm.engine.counts.items()}
         accepted = counts.get("accepted", 0) / max(1, counts.get("verified", 0))
         if best is None or rate > best[0]:
@@ -5593,7 +5619,7 @@ def check_against_recompute(llm, prompts, max_tokens):
     """The engine's greedy tokens and logprobs against one forward pass, without a cache, over
     each finished sequence. Prints and returns the largest logprob difference."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(prompts, params)
+    outputs = [request.outputs[0] for request in llm.generate(prompts, params)]
     worst, same = 0.0, True
     with torch.inference_mode():
         for prompt, out in zip(prompts, outputs):
@@ -5684,8 +5710,8 @@ def packed_stepper(model, batch, length, block_size=16):
 def show_generations(llm, prompts, args):
     """Greedy generations, batched and one by one, then seeded samples, the first also alone."""
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    batched = llm.generate(prompts, greedy)
-    same = all(llm.generate([p], greedy)[0].token_ids == out.token_ids
+    batched = [request.outputs[0] for request in llm.generate(prompts, greedy)]
+    same = all(llm.generate([p], greedy)[0].outputs[0].token_ids == out.token_ids
                for p, out in zip(prompts, batched))
     print(f"\ngreedy, {len(prompts)} prompts in one batch "
           f"({'identical to' if same else 'DIFFERENT from'} one by one):")
@@ -5693,8 +5719,8 @@ def show_generations(llm, prompts, args):
     sampled = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed + i, max_tokens=args.max_tokens)
                for i in range(len(prompts))]
-    outputs = llm.generate(prompts, sampled)
-    alone = llm.generate(prompts[:1], sampled[0])[0]
+    outputs = [request.outputs[0] for request in llm.generate(prompts, sampled)]
+    alone = llm.generate(prompts[:1], sampled[0])[0].outputs[0]
     print(f"\nsampled (temperature {args.temperature}, top-k {args.top_k or 'off'}, top-p "
           f"{args.top_p}, min-p {args.min_p}, seeds {args.seed}..{args.seed + len(prompts) - 1}; "
           f"the first drawn alone: "
@@ -5726,7 +5752,7 @@ def show_structured(llm, prompt, args):
     params = [SamplingParams(temperature=args.temperature, seed=args.seed + i,
                              max_tokens=STRUCTURED_MAX_TOKENS, **{kind: spec})
               for i, (kind, spec) in enumerate(DEMO_CONSTRAINTS)]
-    outputs = llm.generate([prompt] * len(params), params)
+    outputs = [request.outputs[0] for request in llm.generate([prompt] * len(params), params)]
     print(f"\nstructured output (temperature {args.temperature}, seeds {args.seed}.."
           f"{args.seed + len(params) - 1}):")
     all_valid = True
@@ -5774,7 +5800,7 @@ def show_continuous_batching(llm, seed, n=6):
     while engine.has_unfinished():
         preempted = engine.scheduler.num_preemptions
         for out in engine.step():
-            outputs[out.request_id] = out
+            outputs[out.request_id] = out.outputs[0]
         ran = " ".join(f"{seq.request_id}{n}" for seq, n in engine.last_batch)
         preempted = engine.scheduler.num_preemptions - preempted
         lines.append(f"{ran:<24} waiting {len(engine.scheduler.waiting)}"
@@ -5784,7 +5810,7 @@ def show_continuous_batching(llm, seed, n=6):
     for step, line in enumerate(lines):
         print(f"  step {step:>2}: {line}")
     alone = [small.generate([prompt], SamplingParams(temperature=0, max_tokens=m,
-                                                     ignore_eos=True))[0]
+                                                     ignore_eos=True))[0].outputs[0]
              for prompt, m in requests]
     same = all(outputs["ABCDEFGHIJ"[i]].token_ids == a.token_ids for i, a in enumerate(alone))
     print(f"  their greedy outputs: {'identical to' if same else 'DIFFERENT from'} each request "
@@ -5804,7 +5830,7 @@ def measure_throughput(llm, batch_size, max_tokens, seed):
     outputs = llm.generate(prompts, params)
     sync()
     elapsed = time.perf_counter() - start
-    tokens = sum(len(out.token_ids) for out in outputs)
+    tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     print(f"\nengine on {device}: {tokens / elapsed:,.0f} tokens/s ({batch_size} sequences x "
           f"{max_tokens} tokens in {elapsed:.2f} s, prefill included)")
 
@@ -5957,7 +5983,7 @@ def show_the_model(llm, prompts, args):
     check_against_recompute(llm, prompts, args.max_tokens)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     v1 = generate(llm.model, prompts, greedy)
-    same = v1 == [out.token_ids for out in llm.generate(prompts, greedy)]
+    same = v1 == [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)]
     print(f"engine v1 (a static batch over a KVCache) vs the engine (a paged cache, "
           f"continuous batching): greedy tokens {'identical' if same else 'DIFFERENT'}")
     if _device_of(llm.model).type == "cuda" or (INTERPRET and args.model is None):

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import math
 import random
@@ -1047,7 +1048,7 @@ def test_engine_v1_samples_as_the_engine_does(q7, hf_dir):
     params = q7.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2,
                                presence_penalty=0.5, seed=7, max_tokens=10, ignore_eos=True)
     batch = q7.generate(model, PROMPTS, params)
-    assert batch == [out.token_ids for out in llm.generate(PROMPTS, params)]
+    assert batch == [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
     assert q7.generate(model, PROMPTS[1:2], params) == batch[1:2]
     assert len(set(map(tuple, batch))) == 3
 
@@ -1149,7 +1150,7 @@ def test_model_on_the_kernels_matches_its_torch_path(q7, hf_dir):
     params = q7.SamplingParams(temperature=0, max_tokens=4)
     kernels = q7.LLM(model, max_model_len=40).generate(PROMPTS, params)
     torch_path = q7.LLM(model.use_kernels(False), max_model_len=40).generate(PROMPTS, params)
-    assert [o.token_ids for o in kernels] == [o.token_ids for o in torch_path]
+    assert [o.outputs[0].token_ids for o in kernels] == [o.outputs[0].token_ids for o in torch_path]
 
 
 @torch.no_grad()
@@ -1165,7 +1166,7 @@ def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
                                 logprobs=0),
               q7.SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)]
     plain = q7.LLM(model, max_num_seqs=3, async_scheduling=False)
-    stop = plain.generate(prompts, params)[2].token_ids[3]  # row 2 stops at its fourth token or before
+    stop = plain.generate(prompts, params)[2].outputs[0].token_ids[3]  # row 2 stops at its fourth token or before
     params[2] = q7.SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[stop])
     expected = plain.generate(prompts, params)
     overlapped = q7.LLM(model, max_num_seqs=3, async_scheduling=True)
@@ -1179,16 +1180,16 @@ def test_async_scheduling_gives_the_same_outputs(q7, hf_dir, monkeypatch):
     monkeypatch.setattr(overlapped.engine.runner, "launch", counted)
     outputs = overlapped.generate(prompts, params)
     assert sum(previous) >= 10  # decode steps fed on the device
-    assert [len(o.token_ids) for o in expected][:2] == [8, 13]  # 10 + 8 = 5 + 13: the cache's end
-    assert expected[2].finish_reason == "stop" and len(expected[2].token_ids) <= 4
+    assert [len(o.outputs[0].token_ids) for o in expected][:2] == [8, 13]  # 10 + 8 = 5 + 13: the cache's end
+    assert expected[2].outputs[0].finish_reason == "stop" and len(expected[2].outputs[0].token_ids) <= 4
     for ours, theirs in zip(outputs, expected):
-        assert ours.token_ids == theirs.token_ids and ours.finish_reason == theirs.finish_reason
-        assert (ours.logprobs is None) == (theirs.logprobs is None)
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids and ours.outputs[0].finish_reason == theirs.outputs[0].finish_reason
+        assert (ours.outputs[0].logprobs is None) == (theirs.outputs[0].logprobs is None)
         # equal up to float32 rounding: the two loops batch their steps differently, so sums
         # run in another order (one logprob 1.2e-6 apart under numpy 2.4.6's interpreter)
-        for a, b in zip(ours.logprobs or (), theirs.logprobs or ()):
+        for a, b in zip(ours.outputs[0].logprobs or (), theirs.outputs[0].logprobs or ()):
             assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a)
-    assert overlapped.generate(prompts[:1], params[0])[0].token_ids == expected[0].token_ids
+    assert overlapped.generate(prompts[:1], params[0])[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
 
 
 # -- decode attention: one query a row over the cache ------------------------------------------
@@ -1575,9 +1576,9 @@ def test_greedy_tokens_equal_transformers_generate(q7, hf_dir):
     outputs = llm.generate(prompts, q7.SamplingParams(temperature=0, max_tokens=12))
     for prompt, out in zip(prompts, outputs):
         assert out.prompt_token_ids == prompt
-        assert out.token_ids == hf_greedy(hf, prompt, 12)
-        assert out.finish_reason == "length" and out.text is None
-    assert len({tuple(out.token_ids) for out in outputs}) == 4
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+        assert out.outputs[0].finish_reason == "length" and out.outputs[0].text is None
+    assert len({tuple(out.outputs[0].token_ids) for out in outputs}) == 4
 
 
 def test_generate_again_starts_clean(q7, llm):
@@ -1585,7 +1586,7 @@ def test_generate_again_starts_clean(q7, llm):
     first = llm.generate(PROMPTS, params)
     llm.generate([PROMPTS[2]], params)
     again = llm.generate(PROMPTS, params)
-    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert not llm.engine.has_unfinished()
 
 
@@ -1594,11 +1595,11 @@ def test_logprobs_are_the_models(q7, hf_dir, llm):
     hf = hf_dir[0]
     params = q7.SamplingParams(temperature=0.9, seed=3, max_tokens=6, logprobs=3)
     out = llm.generate([PROMPTS[0], PROMPTS[1]], [params, q7.SamplingParams(max_tokens=2)])
-    assert out[1].logprobs is None
+    assert out[1].outputs[0].logprobs is None
     prompt, got = PROMPTS[0], out[0]
-    logp = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1:-1].double().log_softmax(-1)
-    assert len(got.logprobs) == 6
-    for step, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+    logp = hf(torch.tensor([prompt + got.outputs[0].token_ids])).logits[0, len(prompt) - 1:-1].double().log_softmax(-1)
+    assert len(got.outputs[0].logprobs) == 6
+    for step, (token, entry) in enumerate(zip(got.outputs[0].token_ids, got.outputs[0].logprobs)):
         top = logp[step].topk(3)
         assert set(entry) == {token, *top.indices.tolist()}
         for token_id, value in entry.items():
@@ -1613,49 +1614,49 @@ def test_finish_reasons_and_text(q7, qwen_dir, qwen_hf):
     tokenizer = q7.load_tokenizer(qwen_dir)
     prompt = tokenizer.encode("the cat sat")
     greedy = q7.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    first = q7.LLM(model, max_model_len=40).generate([prompt], greedy)[0].token_ids
+    first = q7.LLM(model, max_model_len=40).generate([prompt], greedy)[0].outputs[0].token_ids
     im_start = qwen_hf.token_to_id("<|im_start|>")
     with torch.no_grad():
         model.lm_head.weight[im_start] = 2 * model.lm_head.weight[first[1]]
-    tokens = q7.LLM(model, max_model_len=40).generate([prompt], greedy)[0].token_ids
+    tokens = q7.LLM(model, max_model_len=40).generate([prompt], greedy)[0].outputs[0].token_ids
     assert im_start in tokens[:-1]
 
     def text(ids):
         return qwen_hf.decode(ids, skip_special_tokens=True)
 
     out = q7.LLM(model, tokenizer=tokenizer, max_model_len=40).generate([prompt], greedy)[0]
-    assert (out.token_ids, out.finish_reason, out.text) == (tokens, "length", text(tokens))
-    assert out.text != qwen_hf.decode(tokens, skip_special_tokens=False)
+    assert (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].text) == (tokens, "length", text(tokens))
+    assert out.outputs[0].text != qwen_hf.decode(tokens, skip_special_tokens=False)
     stop = tokens[3]
     ends_at_stop = copy.copy(tokenizer)
     ends_at_stop.eos_token_ids = frozenset({stop})
     end = tokens.index(stop)
     out = q7.LLM(model, tokenizer=ends_at_stop, max_model_len=40).generate(
         [prompt], q7.SamplingParams(temperature=0, max_tokens=10))[0]  # the eos id ends it
-    assert (out.token_ids, out.finish_reason, out.text) == (tokens[:end + 1], "stop", text(tokens[:end]))
+    assert (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].text) == (tokens[:end + 1], "stop", text(tokens[:end]))
     other = next(t for t in tokens[4:] if t not in tokens[:4])
     end = tokens.index(other)
     out = q7.LLM(model, tokenizer=tokenizer, max_model_len=40).generate(  # a stop id
         [prompt], q7.SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[other],
                                     ignore_eos=True))[0]
-    assert (out.token_ids, out.finish_reason, out.text) == (tokens[:end + 1], "stop", text(tokens[:end]))
+    assert (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].text) == (tokens[:end + 1], "stop", text(tokens[:end]))
     out = q7.LLM(model, tokenizer=tokenizer, max_model_len=40).generate(
         "the cat sat", q7.SamplingParams(max_tokens=None, seed=1, ignore_eos=True))[0]
     assert out.prompt_token_ids == qwen_hf.encode("the cat sat").ids
-    assert len(out.prompt_token_ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
-    assert out.text == text(out.token_ids)
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40 and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text == text(out.outputs[0].token_ids)
 
 
 def test_eos_ids_come_from_the_config_files(q7, hf_dir, tmp_path):
     tokens = q7.LLM(hf_dir[1], device="cpu", max_model_len=40).generate(
-        [PROMPTS[1]], q7.SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+        [PROMPTS[1]], q7.SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
     folder = save_hf(hf_dir[0], tmp_path)
     write_config(folder, eos_token_id=tokens[4])
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokens[2], 130]}))
     assert q7.config_eos_token_ids(folder) == {tokens[4], tokens[2], 130}
     out = q7.LLM(folder, device="cpu", max_model_len=40).generate(
         [PROMPTS[1]], q7.SamplingParams(temperature=0, max_tokens=8))[0]
-    assert out.token_ids == tokens[:min(tokens.index(tokens[2]), tokens.index(tokens[4])) + 1]
+    assert out.outputs[0].token_ids == tokens[:min(tokens.index(tokens[2]), tokens.index(tokens[4])) + 1]
 
 
 # --------------------------------------------------------------------------------- sampling
@@ -1778,22 +1779,52 @@ def test_penalties_match_their_definitions(q7):
     assert tokens.tolist() == [5]  # greedy after the penalty: token 2 (in the prompt) drops to 0.4
 
 
+def test_n_completions_of_a_prompt(q7, llm, hf_dir):
+    """n completions: one RequestOutput a prompt (vLLM's shape), its outputs indexed 0..n-1;
+    completion j is the prompt drawn with seed + j alone; greedy ones are all the greedy text.
+    The engine itself runs one completion a request, and says so."""
+    P = q7.SamplingParams
+    results = llm.generate([PROMPTS[0], PROMPTS[1]], P(n=3, temperature=1.0, seed=5, max_tokens=6))
+    assert [r.request_id for r in results] == [0, 1] and all(r.finished for r in results)
+    for prompt, result in zip((PROMPTS[0], PROMPTS[1]), results):
+        assert result.prompt_token_ids == prompt and [c.index for c in result.outputs] == [0, 1, 2]
+        for j, completion in enumerate(result.outputs):
+            alone = llm.generate([prompt], P(temperature=1.0, seed=5 + j, max_tokens=6))[0]
+            assert completion.token_ids == alone.outputs[0].token_ids
+        assert len({tuple(c.token_ids) for c in result.outputs}) > 1
+    greedy = llm.generate([PROMPTS[2]], P(n=2, temperature=0, max_tokens=5))[0].outputs
+    assert greedy[0].token_ids == greedy[1].token_ids == hf_greedy(hf_dir[0], PROMPTS[2], 5)
+    with pytest.raises(ValueError, match="n = 2: the engine runs one completion a request"):
+        llm.engine.add_request("x", PROMPTS[0], P(n=2))
+    with pytest.raises(ValueError, match=r"SamplingParams.n = 0: must be a positive int"):
+        P(n=0)
+
+
+def test_stop_strings_are_stage_08s(q7):
+    """Stop strings are matched on the streamed text (stage 08's Detokenizer): here a non-empty
+    one is an error that says where they live and what to use instead."""
+    assert q7.SamplingParams(stop=None).stop is None and not q7.SamplingParams(stop=[]).stop
+    with pytest.raises(ValueError, match="stop strings are matched on the streamed text, stage "
+                                         "08's work .* end a request with stop_token_ids"):
+        q7.SamplingParams(stop=["\n\n"])
+
+
 def test_a_seed_gives_the_same_tokens_in_any_batch(q7, llm):
     P = q7.SamplingParams
     seeded = P(temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
-    alone = llm.generate([PROMPTS[0]], seeded)[0].token_ids
+    alone = llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
     crowd = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0]],
                          [P(temperature=1.0, max_tokens=12), seeded, P(temperature=0, max_tokens=3),
                           P(temperature=0.7, seed=8, top_k=20, max_tokens=10), seeded])
-    assert crowd[1].token_ids == alone == crowd[4].token_ids  # two batches: 4 rows, then 1
-    assert crowd[3].token_ids != alone  # another seed, another sample
-    assert llm.generate([PROMPTS[0]], seeded)[0].token_ids == alone
+    assert crowd[1].outputs[0].token_ids == alone == crowd[4].outputs[0].token_ids  # two batches: 4 rows, then 1
+    assert crowd[3].outputs[0].token_ids != alone  # another seed, another sample
+    assert llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids == alone
     # the seed decides, not the global random state: a request's own stream
     for global_seed in (1, 2):
         torch.manual_seed(global_seed)
-        assert llm.generate([PROMPTS[0]], seeded)[0].token_ids == alone
+        assert llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids == alone
     reseeded = dataclasses.replace(seeded, seed=8)  # nothing else changed
-    assert llm.generate([PROMPTS[0]], reseeded)[0].token_ids != alone
+    assert llm.generate([PROMPTS[0]], reseeded)[0].outputs[0].token_ids != alone
 
 
 # ----------------------------------------------------------------------- structured output
@@ -2393,8 +2424,8 @@ def test_llm_reads_the_tokenizer_with_the_weights(q7, chat_llm, qwen_hf, chat_pa
     out = chat_llm.generate(prompt, q7.SamplingParams(max_tokens=30, seed=0, ignore_eos=True))[0]
     assert out.prompt_token_ids == chat_pair[0].apply_chat_template(
         messages, add_generation_prompt=True, return_dict=False)
-    assert max(out.token_ids) >= qwen_hf.get_vocab_size()  # ids past the tokenizer: no text
-    assert out.text == qwen_hf.decode(out.token_ids, skip_special_tokens=True)
+    assert max(out.outputs[0].token_ids) >= qwen_hf.get_vocab_size()  # ids past the tokenizer: no text
+    assert out.outputs[0].text == qwen_hf.decode(out.outputs[0].token_ids, skip_special_tokens=True)
 
 
 STRUCTURED = [("regex", r"\d{3}-\d{4}"), ("regex", r"(ab|cd)*e?[xyz]{1,3}"),
@@ -2430,13 +2461,13 @@ def test_structured_generation_is_always_valid(q7, chat_llm, qwen_hf):
     assert chat_llm.engine.grammars.trie.V == 1280  # masks as wide as the model's rows
     eos, ended_by_eos = chat_llm.engine.eos_token_ids, 0
     for (kind, spec, seed), out in zip(cases, outputs):
-        assert out.finish_reason == "stop" and is_valid(kind, spec, out.text), (kind, spec, out)
-        ids = out.token_ids[:-1] if out.token_ids[-1] in eos else out.token_ids
-        ended_by_eos += len(ids) < len(out.token_ids)
-        assert out.text == qwen_hf.decode(ids, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason == "stop" and is_valid(kind, spec, out.outputs[0].text), (kind, spec, out)
+        ids = out.outputs[0].token_ids[:-1] if out.outputs[0].token_ids[-1] in eos else out.outputs[0].token_ids
+        ended_by_eos += len(ids) < len(out.outputs[0].token_ids)
+        assert out.outputs[0].text == qwen_hf.decode(ids, skip_special_tokens=True)
         assert not set(ids) & (eos | {qwen_hf.token_to_id(t) for t in QWEN_SPECIAL})
     assert 0 < ended_by_eos < len(cases)
-    assert [out.finish_reason for out in outputs[-2:]] == ["length"] * 2  # the free rows
+    assert [out.outputs[0].finish_reason for out in outputs[-2:]] == ["length"] * 2  # the free rows
 
 
 def test_a_constraint_with_nothing_to_generate_is_an_error(q7, chat_llm, monkeypatch):
@@ -2738,6 +2769,61 @@ ENGINE_SETTINGS = {  # name -> LLM keywords: each forces another path of the sch
 }
 
 
+PUBLIC_NAMES = {  # part -> its public methods, properties and dataclass fields
+    "Qwen3Config": (
+        "from_json head_dim hidden_size intermediate_size max_position_embeddings "
+        "num_attention_heads num_hidden_layers num_key_value_heads rms_norm_eps rope_theta "
+        "tie_word_embeddings tiny to_hf vocab_size"),
+    "Qwen3": "forward hidden_states logits num_params output_weight use_kernels",
+    "Tokenizer": "apply_chat_template decode decode_bytes encode",
+    "KVCache": "length read rows write",
+    "DecodeGraphs": "",
+    "Sequence": (
+        "append is_finished num_output_tokens num_tokens output_token_ids prompt_token_ids "
+        "settle_drafts step_tokens"),
+    "CompletionOutput": "finish_reason index logprobs text token_ids",
+    "RequestOutput": "finished outputs prompt_token_ids request_id",
+    "BlockManager": (
+        "allocate_prefix blocks_needed cache_full_blocks free grow num_free_blocks "
+        "prefix_hit_rate reset_prefix_cache reset_stats verify"),
+    "Scheduler": "enqueue finish has_work preempt register_computed schedule update",
+    "StepHandle": "wait",
+    "ModelRunner": "launch logprobs_lists run sampling_batch",
+    "SamplingParams": (
+        "choice frequency_penalty has_penalties ignore_eos json_schema logprobs max_tokens "
+        "min_p n presence_penalty regex repetition_penalty seed stop stop_token_ids temperature "
+        "top_k top_p"),
+    "SamplingBatch": "record record_row",
+    "Sampler": "probs",
+    "LLMEngine": (
+        "abort add_request add_sequence check completion has_unfinished new_sequence "
+        "num_unfinished output overlapped_step plain_step reset stats step step_sequences"),
+    "EngineConfig": (
+        "async_scheduling block_size debug enable_prefix_caching enforce_eager "
+        "gpu_memory_utilization max_model_len max_num_batched_tokens max_num_seqs num_kv_blocks "
+        "speculative"),
+    "LLM": "generate",
+    "Speculator": "after_step draft_next_step needs_tokens speculating",
+    "TokenMasker": "is_accepting is_complete mask next_state",
+    "GrammarCache": "get",
+}
+
+
+def public_names(cls):
+    """A class's own public methods and properties, and its dataclass fields."""
+    names = {name for name, value in vars(cls).items() if not name.startswith("_") and (
+        inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod)))}
+    return names | {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) \
+        else names
+
+
+@pytest.mark.parametrize("part", list(PUBLIC_NAMES))
+def test_each_part_keeps_its_public_names(q7, part):
+    """The names a reader, stage 08 and the tests use, part by part (ENGINE.md's parts and the
+    engine's): a rename is deliberate when this list changes with it."""
+    assert public_names(getattr(q7, part)) == set(PUBLIC_NAMES[part].split())
+
+
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)
 @torch.no_grad()
 def test_engine_outputs_equal_one_request_at_a_time(q7, hf_dir, setting):
@@ -2751,8 +2837,8 @@ def test_engine_outputs_equal_one_request_at_a_time(q7, hf_dir, setting):
     llm = q7.LLM(folder, device="cpu", max_model_len=40, debug=True, **ENGINE_SETTINGS[setting])
     params = [q7.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outputs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outputs] == hf_greedy_all(hf, prompts, max_tokens)
-    assert all(o.finish_reason == "length" for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_all(hf, prompts, max_tokens)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     stats = llm.engine.stats
     if "preemption" in setting or setting == "everything at once":
         assert stats["preemptions"] > 0
@@ -2801,7 +2887,7 @@ def test_preempted_sequences_resume_with_the_same_sample(q7, hf_dir):
     assert tight.engine.stats["preemptions"] > 0
     roomy = q7.LLM(model, max_model_len=40)
     for prompt, p, out in zip(prompts, params, outputs):
-        assert roomy.generate([prompt], p)[0].token_ids == out.token_ids
+        assert roomy.generate([prompt], p)[0].outputs[0].token_ids == out.outputs[0].token_ids
     assert_all_free(tight.engine)
 
 
@@ -2827,7 +2913,7 @@ def test_abort_anywhere_frees_everything(q7, hf_dir, async_scheduling):
     engine.abort("c")  # waiting
     outputs = {}
     first = engine.step()
-    assert {(o.request_id, o.finish_reason, len(o.token_ids)) for o in first
+    assert {(o.request_id, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in first
             if o.request_id in "bc"} == {("b", "abort", 0), ("c", "abort", 0)}
     for out in first:
         outputs.setdefault(out.request_id, []).append(out)
@@ -2841,10 +2927,10 @@ def test_abort_anywhere_frees_everything(q7, hf_dir, async_scheduling):
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     assert len(outputs["b"]) == len(outputs["c"]) == 1  # reported once, nothing after
-    assert len(outputs["a"]) == a_before + 1 and outputs["a"][-1].finish_reason == "abort"
-    assert outputs["a"][-1].token_ids == seqs["a"].output_token_ids
+    assert len(outputs["a"]) == a_before + 1 and outputs["a"][-1].outputs[0].finish_reason == "abort"
+    assert outputs["a"][-1].outputs[0].token_ids == seqs["a"].output_token_ids
     assert len(seqs["a"].output_token_ids) < 12 and "zz" not in outputs
-    assert outputs["d"][-1].token_ids == hf_greedy(hf_dir[0], prompts[3], 12)
+    assert outputs["d"][-1].outputs[0].token_ids == hf_greedy(hf_dir[0], prompts[3], 12)
     assert outputs["d"][-1].finished and outputs["d"][-1].request_id == "d"
     assert_all_free(engine)
 
@@ -2864,7 +2950,7 @@ def test_step_reports_each_request_as_it_advances(q7, hf_dir):
     assert engine.num_unfinished == 1
     seen = []
     while engine.has_unfinished():
-        seen += [(o.request_id, list(o.token_ids), o.finish_reason) for o in engine.step()]
+        seen += [(o.request_id, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in engine.step()]
     assert [len(t) for _, t, _ in seen] == [1, 2, 3, 4]
     assert [r for _, _, r in seen] == [None, None, None, "length"]
     assert all(seen[i][1] == seen[-1][1][:i + 1] for i in range(4))
@@ -2917,7 +3003,7 @@ def test_a_request_larger_than_the_pool_is_refused(q7, hf_dir):
     llm = q7.LLM(model, max_model_len=40, num_kv_blocks=3, block_size=4)
     with pytest.raises(ValueError, match="need more than the KV pool's 3 blocks of 4 tokens"):
         llm.generate([[1] * 10], q7.SamplingParams(max_tokens=5))
-    assert len(llm.generate([[1] * 6], q7.SamplingParams(max_tokens=6))[0].token_ids) == 6
+    assert len(llm.generate([[1] * 6], q7.SamplingParams(max_tokens=6))[0].outputs[0].token_ids) == 6
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -2966,7 +3052,7 @@ def test_prefix_caching_reuses_a_shared_prompt(q7, hf_dir):
     blocks.reset_stats()
     out = llm.generate([second], greedy)[0]
     assert blocks.prefix_hit_rate == 12 / 17
-    assert out.token_ids == hf_greedy(hf, second, 3)
+    assert out.outputs[0].token_ids == hf_greedy(hf, second, 3)
     blocks.reset_stats()
     llm.generate([first[:12]], greedy)  # whole prompt cached: its last block is recomputed
     assert blocks.prefix_hit_rate == 8 / 12
@@ -2985,11 +3071,11 @@ def test_prefix_caching_keeps_the_blocks_of_a_request_s_last_step(q7, hf_dir):
     blocks.reset_stats()
     out = llm.generate([prompt], greedy(3))[0]  # its 3 full blocks were cached by the first
     assert blocks.prefix_hit_rate == 12 / 14
-    assert out.token_ids == hf_greedy(hf, prompt, 3)
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 3)
     # that request's last decode computed position 15, which filled its 4th block
-    longer = prompt + out.token_ids[:2] + random_ids(3, seed=33)
+    longer = prompt + out.outputs[0].token_ids[:2] + random_ids(3, seed=33)
     blocks.reset_stats()
-    assert llm.generate([longer], greedy(2))[0].token_ids == hf_greedy(hf, longer, 2)
+    assert llm.generate([longer], greedy(2))[0].outputs[0].token_ids == hf_greedy(hf, longer, 2)
     assert blocks.prefix_hit_rate == 16 / 19
 
 
@@ -3005,7 +3091,7 @@ def test_speculation_follows_its_acceptance(q7, hf_dir):
     spec = q7.LLM(model, max_model_len=64, speculative={"method": "ngram", "num_tokens": 4})
     repeats = random_ids(4, seed=49)
     out = spec.generate([repeats], q7.SamplingParams(temperature=0, max_tokens=34, ignore_eos=True))
-    assert out[0].token_ids == hf_greedy(hf, repeats, 34)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, repeats, 34)
     stats = spec.engine.stats
     assert stats["accepted_tokens"] >= 0.8 * stats["draft_tokens"] > 15
     assert stats["steps"] < 20  # 34 tokens in fewer steps
@@ -3022,7 +3108,7 @@ def test_speculation_follows_its_acceptance(q7, hf_dir):
     batch = q7.LLM(model, max_model_len=64, speculative={"method": "ngram", "num_tokens": 4})
     prompts = [repeats] + [random_ids(5, seed=41 + i) for i in range(7)]
     outs = batch.generate(prompts, q7.SamplingParams(temperature=0, max_tokens=34, ignore_eos=True))
-    assert outs[0].token_ids == hf_greedy(hf, repeats, 34)
+    assert outs[0].outputs[0].token_ids == hf_greedy(hf, repeats, 34)
     assert batch.engine.stats["steps"] >= 34 and batch.engine.counts["overlapped"] >= 25
 
 
@@ -3060,7 +3146,7 @@ def test_draft_model_speculation(q7, hf_dir):
                   speculative={"method": "draft", "model": model, "num_tokens": 3,
                                "min_accepted": 0})
     expected = hf_greedy_all(hf, prompts, max_tokens)
-    assert [o.token_ids for o in same.generate(prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in same.generate(prompts, params)] == expected
     stats = same.engine.stats
     assert stats["accepted_tokens"] == stats["draft_tokens"] > 0
     sampled = [q7.SamplingParams(temperature=0.8, seed=i, max_tokens=m, ignore_eos=True)
@@ -3070,7 +3156,7 @@ def test_draft_model_speculation(q7, hf_dir):
     other = q7.Qwen3(model.cfg).eval()  # random weights: another model of the same vocabulary
     llm = q7.LLM(model, max_model_len=40, debug=True,
                  speculative={"method": "draft", "model": other, "num_tokens": 3, "min_accepted": 0})
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.stats["accepted_tokens"] < llm.engine.stats["draft_tokens"]
     assert_all_free(llm.engine)
     # a budget of 6 tokens for several sequences of 1 + 3: the last ones' drafts are cut short
@@ -3078,8 +3164,8 @@ def test_draft_model_speculation(q7, hf_dir):
                    speculative={"method": "draft", "model": model, "num_tokens": 3,
                                "min_accepted": 0})
     outputs = tight.generate(prompts, sampled)
-    assert [len(o.token_ids) for o in outputs] == max_tokens
-    assert [o.token_ids for o in tight.generate(prompts, params)] == expected
+    assert [len(o.outputs[0].token_ids) for o in outputs] == max_tokens
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == expected
     assert_all_free(tight.engine)
 
 
@@ -3099,7 +3185,7 @@ def test_draft_speculation_under_a_tight_budget(q7, hf_dir, budget):
                               "min_accepted": 0})
     params = q7.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outputs] == hf_greedy_all(hf, prompts, [10] * 5)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_all(hf, prompts, [10] * 5)
     stats = llm.engine.stats
     assert stats["accepted_tokens"] == stats["draft_tokens"] > 0
     assert_all_free(llm.engine)
@@ -3914,10 +4000,10 @@ def check_on_the_gpu(q7, hf, folder):
     assert (llm.model(ids.cuda()).cpu() - expected).abs().max().item() < 1e-3
     outputs = llm.generate(PROMPTS, q7.SamplingParams(temperature=0, max_tokens=10))
     for prompt, out in zip(PROMPTS, outputs):
-        assert out.token_ids == hf_greedy(hf, prompt, 10)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 10)
     # engine v1 on the kernels, its decode steps replayed from a CUDA graph
     v1 = q7.generate(llm.model, PROMPTS, q7.SamplingParams(temperature=0, max_tokens=10))
-    assert v1 == [out.token_ids for out in outputs]
+    assert v1 == [out.outputs[0].token_ids for out in outputs]
     bf16 = q7.load_qwen3(folder, device="cuda", dtype=torch.bfloat16)
     logits = bf16(torch.tensor([PROMPTS[2] + PROMPTS[0]], device="cuda")).float().cpu()
     assert ((logits - expected).norm() / expected.norm()).item() < 3e-2
@@ -4018,8 +4104,8 @@ def test_gpu_engine_with_graphs_equals_enforce_eager(q7):
             theirs = eager.generate(batch, rows)
             for llm in (graphed, overlapped):
                 ours = llm.generate(batch, rows)
-                assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
-                assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
+                assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+                assert [o.outputs[0].logprobs for o in ours] == [o.outputs[0].logprobs for o in theirs]
     assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
 
 
@@ -4040,7 +4126,7 @@ def test_gpu_engine_outputs_equal_one_request_at_a_time(q7, hf_dir, setting):
         assert llm.engine.runner.attention is q7.triton_attention
         params = [q7.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         outputs = llm.generate(prompts, params)
-        assert [o.token_ids for o in outputs] == hf_greedy_all(hf, prompts, max_tokens)
+        assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_all(hf, prompts, max_tokens)
         assert_all_free(llm.engine)
     finally:
         torch.set_float32_matmul_precision(precision)
