@@ -369,6 +369,10 @@ def _resolve_device_dtype(folder, device, dtype):
     on a GPU (Qwen3 ships bf16) and float32 on a CPU, where bf16 matmuls are slow."""
     device = torch.device(device if device is not None
                           else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device}: this stage runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: this machine has no CUDA GPU")
     if dtype is None and device.type == "cuda":
         hf = read_hf_config(folder / "config.json", ())
         name = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
@@ -2623,24 +2627,31 @@ class Sequence:
 
 
 @dataclass
-class RequestOutput:
-    """A request's result: what generate returns for a prompt, and what LLMEngine.step returns
-    for each request that advanced (then token_ids so far, and finish_reason None until the
-    request ends)."""
-    prompt_token_ids: list
-    token_ids: list  # the generated ids, the eos or stop id that ended the request included
-    text: str | None  # their text, without that final eos or stop id and, as vLLM's default
-    #                   (skip_special_tokens), without special tokens; None without a tokenizer,
-    #                   and until the request ends
+class CompletionOutput:
+    """One completion of a request (vLLM's name): index j of its n."""
+    index: int
+    token_ids: list  # the generated ids, the eos or stop id that ended it included
+    text: str | None  # their text, without that final eos or stop id and (vLLM's default,
+    #                   skip_special_tokens) without special tokens; None without a tokenizer,
+    #                   and until it ends
     finish_reason: str | None  # "stop": an eos or stop id, or structured output complete;
-    #                            "length": max_tokens or the context limit; "abort"
-    logprobs: list | None = None  # when asked: per generated token, {id: logprob} of the sampled
-    #                               id and the top ones
-    request_id: object = None
+    #                            "length": max_tokens or the context limit; "abort"; None: running
+    logprobs: list | None = None  # when asked: a {id: logprob} a token, the sampled id's and the
+    #                               top ones
+
+
+@dataclass
+class RequestOutput:
+    """A request's result (vLLM's shape): what LLM.generate returns for a prompt, its n
+    completions in `outputs`, and what LLMEngine.step returns for each request that advanced
+    (one completion, its tokens so far)."""
+    request_id: object
+    prompt_token_ids: list
+    outputs: list  # CompletionOutput, n of them
 
     @property
     def finished(self):
-        return self.finish_reason is not None
+        return all(out.finish_reason is not None for out in self.outputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3324,6 +3335,7 @@ class SamplingParams:
     """How one request samples and when it stops. Checked on construction: a bad value is a
     ValueError naming the field, here, rather than a wrong result on the device later."""
     max_tokens: int | None = 16  # tokens to generate at most; None: up to the context limit
+    n: int = 1  # completions of the prompt (LLM.generate; with a seed, completion j uses seed + j)
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # keep the k likeliest tokens (ties with the k-th kept too); 0: all
     top_p: float = 1.0  # keep the likeliest tokens until their probability reaches top_p; 1: all
@@ -3333,6 +3345,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     seed: int | None = None  # this request's own random stream; None: torch's global one
     stop_token_ids: tuple = ()  # ids that end the request ("stop"), besides the eos ids
+    # Stop strings are matched on the text as it streams, held back until they are decided:
+    # stage 08's Detokenizer (chapter 35). Here a non-empty one is an error saying so.
+    stop: tuple | None = None
     ignore_eos: bool = False  # do not stop at the eos ids
     logprobs: int | None = None  # report the sampled token's logprob and this many top ones
     regex: str | None = None  # structured output: the text must match this regex,
@@ -3346,6 +3361,9 @@ class SamplingParams:
 
         need(self.max_tokens is None or _is_int(self.max_tokens) and self.max_tokens >= 1,
              "max_tokens", "must be a positive int, or None for up to the context limit")
+        need(_is_int(self.n) and self.n >= 1, "n", "must be a positive int")
+        need(not self.stop, "stop", "stop strings are matched on the streamed text, stage 08's "
+             "work (its Detokenizer and server); here, end a request with stop_token_ids")
         need(_is_number(self.temperature) and self.temperature >= 0, "temperature",
              "must be a finite number >= 0 (0 is greedy)")
         need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0 (0 keeps all)")
@@ -3576,6 +3594,9 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: n = {params.n}: the engine runs one "
+                             f"completion a request; LLM.generate runs n as n requests")
         ids = self._prompt_ids(request_id, prompt)
         max_tokens = self._check_request(request_id, ids, params)
         generator = None
@@ -3799,13 +3820,17 @@ class LLMEngine:
 
     def output(self, seq):
         """The RequestOutput of a sequence as it stands."""
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, [self.completion(seq)])
+
+    def completion(self, seq, index=0):
+        """A sequence's CompletionOutput as it stands."""
         ids = seq.output_token_ids
         text = None
         if self.tokenizer is not None and seq.is_finished:  # the ending eos or stop id: no text
             text_ids = ids if seq.stop_token_id is None else ids[:-1]
             text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return RequestOutput(seq.prompt_token_ids, ids, text, seq.finish_reason,
-                             None if seq.logprobs is None else list(seq.logprobs), seq.request_id)
+        return CompletionOutput(index, ids, text, seq.finish_reason,
+                                None if seq.logprobs is None else list(seq.logprobs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3956,18 +3981,23 @@ class LLM:
     def generate(self, prompts, sampling_params=None):
         """Generate for each prompt: a string (with a tokenizer) or a list of token ids, or a list
         of them. sampling_params: one SamplingParams for all, one per prompt, or None for the
-        defaults. Every prompt and its limits are checked before any work starts."""
+        defaults. A prompt's n completions are n requests to the engine, completion j seeded
+        seed + j (so that they differ, and each can be drawn again alone). Every prompt and its
+        limits are checked before any work starts."""
         prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         engine = self.engine
         engine.reset()  # a fresh start, even after an interrupted call
-        seqs = [engine.new_sequence(i, prompt, p)
+        seqs = [[engine.new_sequence(i if p.n == 1 else (i, j), prompt, dataclasses.replace(
+                    p, n=1, seed=None if p.seed is None else p.seed + j)) for j in range(p.n)]
                 for i, (prompt, p) in enumerate(zip(prompts, params))]
-        for seq in seqs:
+        for seq in (seq for group in seqs for seq in group):
             engine.add_sequence(seq)
         while engine.has_unfinished():
             engine.step_sequences()
-        return [engine.output(seq) for seq in seqs]
+        return [RequestOutput(i, group[0].prompt_token_ids,
+                              [engine.completion(seq, j) for j, seq in enumerate(group)])
+                for i, group in enumerate(seqs)]
 
     @staticmethod
     def _prompt_list(prompts):
@@ -5049,35 +5079,25 @@ def grammar_vocab(tokenizer, vocab_size):
 # ----------------------------------------------------------------------------------------------
 # Chapter 35. The text boundary: token ids become text, a piece at a time
 # ----------------------------------------------------------------------------------------------
-# NEW in stage 08. A stream sends text as the tokens arrive, which is harder than decoding each
-# token. A byte-level BPE token may end inside a UTF-8 character ("€" is three bytes, and may
-# come in two or three tokens): decoded alone, its piece is U+FFFD. So the bytes of an unfinished
-# character wait for the rest, in an incremental UTF-8 decoder that carries only that tail
-# (decoding every token again at each step would cost O(n^2) over a long answer). The pieces
-# then add up to the decode of all the tokens at once, U+FFFD included where bytes can never
-# form a character.
+# NEW in stage 08. A stream sends text as the tokens arrive, but a byte-level BPE token may end
+# inside a UTF-8 character ("€" is three bytes, maybe three tokens). An incremental UTF-8 decoder
+# holds the bytes of an unfinished character until the rest comes (decoding all the tokens again
+# each step would cost O(n^2)), so the pieces add up to the decode of all the tokens at once.
 #
-# Stop strings are matched in the text, not in the tokens: "STOP" may come as "ST" + "OP", as
-# " STO" + "P", or inside one token. Text that could still become a stop string (a tail that
-# begins one) is held back until the next tokens decide. Once one is found, the text before it
-# is final, nothing after it is sent, and the request ends with finish_reason "stop" (the
-# server aborts its engine request: the engine knows nothing of text).
+# Stop strings are matched in the text, not the tokens ("STOP" may come as "ST" + "OP"): a tail
+# that may begin one is held back until the next tokens decide. Once one is found, nothing after
+# it is sent, and the request ends with finish_reason "stop" (the server aborts it in the engine,
+# which knows nothing of text).
 
 def _token_data(token_bytes, token_id):
-    """The bytes a token writes: b"" for the ids past the tokenizer's (Qwen3's model scores
-    151,936 ids, its tokenizer defines 151,669)."""
+    """The bytes a token writes: b"" past the tokenizer's ids (Qwen3's model has more rows)."""
     return token_bytes[token_id] if token_id < len(token_bytes) else b""
 
 
 class Detokenizer:
-    """One request's token ids -> text, a piece at a time. Never emits half a UTF-8 character: an
-    incremental decoder holds back a multi-byte character split across tokens until its last
-    byte arrives (and turns bytes that can never form one into U+FFFD, as a full decode does),
-    so that the pieces add up to the decode of all the tokens. Special tokens write no text
-    (vLLM's skip_special_tokens). stop: strings that end the text; text that may be the start of
-    one is held back until decided, and the first one to appear as the text grows ends it just
-    before its start (`stopped`); of several completed by the same token, the one that starts
-    first."""
+    """One request's token ids -> text, a piece at a time (see above); special tokens write none.
+    stop: strings that end the text just before the first one to appear (`stopped`); of several
+    that one token completes, the one that starts first."""
 
     def __init__(self, token_bytes, special_ids, stop=()):
         self.token_bytes, self.special_ids = token_bytes, special_ids
@@ -5094,9 +5114,8 @@ class Detokenizer:
         return self._release(self.held + self.utf8.decode(data))
 
     def decode_next_many(self, token_ids):
-        """The text these tokens make final, as add one at a time would give it. Without stop
-        strings there is nothing to look for between two tokens, and their bytes decode at once:
-        a server streaming thousands of tokens a second saves its per-token Python."""
+        """decode_next of each token, joined. Without stop strings their bytes decode at once,
+        which saves a fast stream its per-token Python."""
         if self.stop or self.stopped:
             return "".join([self.decode_next(token_id) for token_id in token_ids])
         special, table = self.special_ids, self.token_bytes
@@ -5119,8 +5138,7 @@ class Detokenizer:
         return text[:len(text) - keep]
 
     def _cut_at_stop(self, text):
-        """(text up to the earliest stop string, True), or (text, False) when there is none. The
-        text emitted before never holds one: its tails that began one were held back."""
+        """(text up to the earliest stop string, True), or (text, False) when there is none."""
         starts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if not starts:
             return text, False
@@ -5139,8 +5157,7 @@ class Detokenizer:
 
 
 def token_text(token_bytes, token_id):
-    """How logprobs name a token: its text or, when its bytes are not UTF-8 on their own (a piece
-    of a character), "bytes:" and the bytes escaped, as OpenAI's API writes them."""
+    """A token as logprobs name it: its text, or "bytes:" + its bytes escaped if not UTF-8 alone."""
     data = _token_data(token_bytes, token_id)
     try:
         return data.decode("utf-8")
@@ -5152,20 +5169,17 @@ def token_text(token_bytes, token_id):
 # Chapter 36. The server: requests, checked
 # ----------------------------------------------------------------------------------------------
 # NEW in stage 08. The server speaks the OpenAI API, so that any OpenAI client works unchanged
-# (vLLM's behaviour where OpenAI's is silent). A request body is checked field by field before
-# the engine hears of it: a missing or wrongly typed field, an unknown one, a value out of range
-# is a 400 in OpenAI's error envelope, {"error": {"message", "type", "param", "code"}}, naming
-# the field. What passes becomes a list of SamplingParams, one per choice: n choices of a prompt
-# are n engine requests (with a seed, choice j uses seed + j, so that they differ and each can be
-# drawn again alone). The engine checks the rest (the prompt and max_tokens against the context,
-# the token ids against the vocabulary) and its ValueError is a 400 as well.
+# (vLLM's behaviour where OpenAI's is silent). A missing, mistyped, unknown or out-of-range field
+# is a 400 naming it, in OpenAI's envelope {"error": {"message", "type", "param", "code"}}, before
+# the engine hears of it. n choices of a prompt are n engine requests (with a seed, choice j uses
+# seed + j, so each can be drawn again alone). The engine checks the rest (lengths against the
+# context, ids against the vocabulary); its ValueError is a 400 as well.
 
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOP = 4  # stop strings in one request (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
-# A schema compiles on the request's thread, which holds the interpreter lock meanwhile, away from
-# every stream: on a 2-core CPU a 14 KB schema of 500 properties took 1.2 s, one of 200 (6 KB)
-# 0.24 s.
+# A schema compiles on the request's thread, holding the interpreter lock away from every stream
+# meanwhile (one of 500 properties took 1.2 s on a 2-core CPU).
 MAX_SCHEMA_BYTES = 8192
 
 
@@ -5207,8 +5221,7 @@ def _is_real(x):
 
 
 def _is_ids(x):
-    # (type is int, not _is_int: the same on JSON's values, which are never another Integral,
-    # and 15x faster: a completion of 512 token ids is checked in 0.14 ms instead of 0.94)
+    # (type is int, not _is_int: the same on JSON's values, and far cheaper on a long prompt)
     return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
 
@@ -5219,15 +5232,13 @@ def field(body, name, ok, what, default=None, where=""):
     if value is None:
         return default
     if not ok(value):
-        raise APIError(f"'{where}{name}' must be {what}, got {_short(value)}",
-                       param=where + name)
+        raise APIError(f"'{where}{name}' must be {what}, got {_short(value)}", param=where + name)
     return value
 
 
 def check_text(text, param):
-    """text, if it is Unicode text. A lone surrogate ("\\ud800" is legal JSON) is not a
-    character and has no UTF-8: the tokenizer would read it as U+FFFD, and the model answer a
-    prompt the client did not send."""
+    """text, if it is Unicode text. A lone surrogate ("\\ud800" is legal JSON) has no UTF-8: the
+    tokenizer would read it as U+FFFD, and the model answer a prompt the client did not send."""
     try:
         text.encode()
     except UnicodeEncodeError as e:
@@ -5237,8 +5248,8 @@ def check_text(text, param):
 
 
 def check_fields(body, known, where=""):
-    """An unknown field is an error rather than ignored: a client that sends one expects it to
-    do something this server does not do (OpenAI answers the same)."""
+    """An unknown field is an error, not ignored: its client expects something this server does
+    not do (as OpenAI answers)."""
     unknown = sorted(set(body) - known)
     if unknown:
         raise APIError(f"unknown or unsupported field '{where}{unknown[0]}'",
@@ -5258,9 +5269,8 @@ NOTHING_ASKED = {"echo": (None, False), "suffix": (None, ""), "logit_bias": (Non
 
 def _json_object_regex(depth):
     """response_format json_object as a regex for stage 07's structured output: a compact JSON
-    object whose values nest at most `depth` more objects or arrays. JSON is not a regular
-    language, but JSON nested to a bounded depth is, and the automaton grows about 4x a level
-    (depth 2: 2,182 states, compiled in 0.1 s)."""
+    object whose values nest at most `depth` more objects or arrays. JSON of bounded depth is a
+    regular language; its automaton grows fourfold a level (depth 2: 2,182 states)."""
     string = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
     scalar = rf"(?:{string}|-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)"
 
@@ -5278,8 +5288,7 @@ JSON_OBJECT_REGEX = _json_object_regex(depth=2)
 
 @dataclass
 class Generation:
-    """A /v1/completions or /v1/chat/completions request, checked: what the engine runs, and
-    how the answer is written."""
+    """A generation request, checked: what the engine runs, and how the answer is written."""
     chat: bool
     prompts: list  # each prompt's token ids
     params: list  # each choice's SamplingParams: prompt i's choice j is choice i * n + j
@@ -5291,8 +5300,7 @@ class Generation:
 
 
 def generation_request(body, chat, tokenizer, vocab_size):
-    """The Generation of a completion (chat=False) or chat completion body; an APIError (400)
-    names the first bad field."""
+    """The Generation of a (chat) completion body; an APIError (400) names the first bad field."""
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     for name, nothing in NOTHING_ASKED.items():
         if body.get(name) not in nothing:
@@ -5332,8 +5340,7 @@ def generation_request(body, chat, tokenizer, vocab_size):
         if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
             param = "max_completion_tokens"  # the field the client sent
         raise APIError(str(e), param=param) from None
-    return Generation(chat, prompts, params, n, stop_strings(body), stream, include_usage,
-                      logprobs)
+    return Generation(chat, prompts, params, n, stop_strings(body), stream, include_usage, logprobs)
 
 
 def sampling_fields(body, vocab_size):
@@ -5352,8 +5359,7 @@ def sampling_fields(body, vocab_size):
 
 
 def structured_output(body):
-    """response_format as stage 07's structured output: {"type": "text"} (none), "json_object"
-    (JSON_OBJECT_REGEX) or "json_schema" with its "schema"."""
+    """response_format as stage 07's structured output: text (none), json_object or json_schema."""
     fmt = field(body, "response_format", _is_object, "an object")
     if fmt is None or fmt.get("type") == "text":
         return {}
@@ -5387,21 +5393,18 @@ def stop_strings(body):
 
 
 def completion_prompts(body, tokenizer):
-    """Each prompt's token ids. prompt: a string, a list of token ids, or a list of either (a
-    batch of prompts)."""
+    """Each prompt's token ids; prompt: a string, a list of ids, or a list of either (a batch)."""
     prompt = body.get("prompt")
     batch = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
     if not (isinstance(batch, list) and batch and all(_is_str(p) or _is_ids(p) for p in batch)):
         raise APIError(f"'prompt' must be a string, a list of token ids, or a non-empty list of "
                        f"those, got {_short(prompt)}", param="prompt")
-    return [tokenizer.encode(check_text(p, "prompt")) if isinstance(p, str) else p
-            for p in batch]
+    return [tokenizer.encode(check_text(p, "prompt")) if isinstance(p, str) else p for p in batch]
 
 
 def chat_prompt(body, tokenizer):
-    """The messages in the model's chat format (stage 07's apply_chat_template). A message's
-    content is a string or a list of text parts; enable_thinking comes in vLLM's
-    chat_template_kwargs."""
+    """The messages in the model's chat format (stage 07's apply_chat_template). A content is a
+    string or a list of text parts; enable_thinking comes in vLLM's chat_template_kwargs."""
     messages = field(body, "messages", lambda x: isinstance(x, list) and bool(x),
                      "a non-empty list of messages")
     if messages is None:
@@ -5432,8 +5435,7 @@ def chat_prompt(body, tokenizer):
 
 
 def chat_logprobs_asked(body):
-    """Chat's logprobs (true or false) and top_logprobs (how many): top logprobs a token, or
-    None."""
+    """Chat's logprobs (a bool) and top_logprobs (how many): top logprobs a token, or None."""
     wanted = field(body, "logprobs", _is_bool, "true or false", False)
     top = field(body, "top_logprobs", lambda x: _is_int(x) and 0 <= x <= MAX_TOP_LOGPROBS,
                 f"an integer from 0 to {MAX_TOP_LOGPROBS}")
@@ -5445,35 +5447,23 @@ def chat_logprobs_asked(body):
 # ----------------------------------------------------------------------------------------------
 # Chapter 36. The server: two processes, one engine thread
 # ----------------------------------------------------------------------------------------------
-# NEW in stage 08. The HTTP server gives each connection a thread, and many of them wait for
-# tokens at once; the engine is not thread-safe and should not be: one engine thread owns it
-# and alone calls add, abort and step. Python runs one thread of a process at a time (the
-# interpreter lock, GIL), so the HTTP side runs in a process of its own, as vLLM's API server
-# does: the engine thread then has its process to itself. With the HTTP in the engine's process,
-# each HTTP thread that took the lock kept the engine thread waiting between its steps, and the
-# engine thread also turned every stream's tokens into text and chunks (H200, bench_serve at 64
-# streams, on different hosts: in one process 0.85-0.93x LLM.generate's tokens/s and p99 time
-# to first token 2.9-3.75x concurrency 1's; in two processes 0.96x and 2.5x).
+# NEW in stage 08. One engine thread owns the engine (which is not thread-safe) and alone calls
+# add, abort and step. Python runs one thread of a process at a time (the GIL), so the HTTP
+# threads run in a process of their own, as vLLM's API server does (sharing the engine's, the
+# server reached 0.85-0.93x LLM.generate's tokens/s at 64 streams; apart, 0.96x).
 #
-# One pipe joins the two (a socket pair; each message a pickle):
-# - HTTP process -> engine: ("add", job id, choices a prompt, [(engine request id, prompt ids,
-#   SamplingParams as a dict)]), ("abort", [engine request ids]), ("idle", whether it has no
-#   request open), and ("ready",) once it has the tokenizer.
-# - engine -> HTTP process: ("ready", tokenizer, max_model_len, vocab_size), ("load failed",
-#   message), ("engine failed",), ("stop",), and ("events", [...], the engine's state): the
-#   answers to adds before a step, its tokens after it, or none when only the state changed
-#   (an abort); the events being ("accepted", job id), ("refused", job id, message),
-#   ("failed", job id, status, message) and ("tokens", engine request id, new token ids, their
-#   logprobs, finish_reason or None, the eos or stop id that ended it or None): a step's new
-#   tokens, never the whole output again.
-# Only plain data crosses from the HTTP side (lists, dicts, strings, numbers), so that the
-# engine's process can read it whatever name it gave this file's module.
+# One pipe joins the two (a socket pair; each message a pickle; from the HTTP side plain data
+# only, which the engine's process reads whatever name it gave this module):
+# - HTTP -> engine: ("add", job id, choices a prompt, [(engine request id, prompt ids,
+#   SamplingParams as a dict)]), ("abort", [engine request ids]), ("idle", bool), ("ready",).
+# - engine -> HTTP: ("ready", tokenizer, max_model_len, vocab_size), ("load failed", message),
+#   ("engine failed",), ("stop",), and ("events", [...], the engine's state), the events being
+#   ("accepted", job id), ("refused", job id, message), ("failed", job id, status, message) and
+#   ("tokens", engine request id, new ids, their logprobs, finish_reason, eos or stop id).
 
 class Job:
-    """One HTTP request's choices, each an engine request, and the queue of what comes back:
-    ("accepted",), ("refused", message), ("tokens", choice, new token ids, their logprobs,
-    finish_reason or None, the eos or stop id that ended it or None), ("failed", status,
-    message)."""
+    """One HTTP request's choices, each an engine request, and the queue of the engine's events
+    about it (see above, less the job id; "tokens" carries the choice's index)."""
 
     def __init__(self, request_id, prompts, params):
         self.id = request_id  # (the engine's request ids are this id, "-", the choice's index)
@@ -5496,15 +5486,12 @@ class Choice:
 
 
 class EngineThread:
-    """The thread that owns an LLM's engine, in the process that holds the model: it takes the
-    HTTP process's commands from `conn`, steps while the engine has work, and sends each step's
-    events back in one message. live: engine request id -> [its job's id, output tokens sent],
-    until it ends. wait_idle() waits until neither side has a request open: for tests and
-    benches, which then read the engine's state."""
+    """The thread that owns an LLM's engine: it takes the HTTP process's commands from `conn`,
+    steps while the engine has work, and sends each step's events back in one message."""
 
     def __init__(self, llm, conn, send, on_ready):
         self.engine, self.conn, self.send, self.on_ready = llm.engine, conn, send, on_ready
-        self.live = {}
+        self.live = {}  # engine request id -> [its job's id, output tokens sent], until it ends
         self.state_sent = None  # the engine's state as the HTTP process last heard it
         self.http_idle, self.stopping = True, threading.Event()
         self.wake_reader, self.wake_writer = socket.socketpair()  # (stop() wakes a blocked wait)
@@ -5521,8 +5508,7 @@ class EngineThread:
 
     def wait_until_idle(self, timeout=None):
         with self.idle_changed:  # (a command in the pipe that the thread has not read: not idle)
-            return self.idle_changed.wait_for(lambda: self.idle and not self.conn.poll(),
-                                              timeout)
+            return self.idle_changed.wait_for(lambda: self.idle and not self.conn.poll(), timeout)
 
     def _set_idle(self, idle):
         with self.idle_changed:
@@ -5541,17 +5527,14 @@ class EngineThread:
                     self._set_idle(True)
                     return
                 for command in commands:
-                    # each command alone: a bug in one fails its job only
-                    try:
+                    try:  # each command alone: a bug in one fails its job only
                         getattr(self, "_cmd_" + command[0])(events, *command[1:])
                     except Exception:
                         LOG.exception("the engine thread failed on a %r command", command[0])
                         if command[0] == "add":
                             events.append(("failed", command[1], 500, "internal error in the "
                                            "engine (logged by the server)"))
-                # the answers to adds go before the step, which waits for the GPU: a stream's
-                # headers are out by the time its first token comes
-                self._send_events(events)
+                self._send_events(events)  # before the step: a stream's headers go out first
                 events = []
                 try:
                     if self.engine.has_unfinished():
@@ -5590,9 +5573,7 @@ class EngineThread:
 
     def _send_events(self, events):
         """Send the events with the engine's state; without events, the state alone if it has
-        changed since it was last sent. An abort frees its blocks with no step after it when
-        nothing else runs, and /metrics must not show the state before the abort until the
-        next request makes the engine step."""
+        changed (an abort with no step after it must still show in /metrics)."""
         state = self._state()
         if events or state != self.state_sent:
             self.send(("events", events, state))
@@ -5638,8 +5619,7 @@ class EngineThread:
                 del self.live[seq.request_id]
 
     def _fail_all(self, events, status, message):
-        """End every live request (each job hears once) and clear the engine; whether the
-        engine could be cleared."""
+        """End every live request (each job hears once) and clear the engine; whether it could."""
         for job_id in dict.fromkeys(job_id for job_id, _ in self.live.values()):
             events.append(("failed", job_id, status, message))
         self.live.clear()
@@ -5661,10 +5641,9 @@ class EngineThread:
 
 
 class EngineLink:
-    """The HTTP process's end of the pipe, on a thread of its own: it hears of the HTTP
-    threads' adds (add(job, delivery), which they send to the engine themselves) and forwards
-    their aborts (abort(job, choices, reason)), turns the engine's events into each job's
-    replies (see Job), and serves the deliveries. It ends when the engine does."""
+    """The HTTP process's end of the pipe, on a thread of its own: it hears of the HTTP threads'
+    jobs (submit) and forwards their ends (end_job), turns the engine's events into each job's
+    replies, and serves the deliveries. It ends when the engine does."""
 
     def __init__(self, conn, app):
         self.conn, self.app, self.metrics = conn, app, app.metrics
@@ -5681,14 +5660,10 @@ class EngineLink:
         self.thread = threading.Thread(target=self.relay, name="link", daemon=True)
 
     def submit(self, job, delivery):
-        """Send the job to the engine; from now on this thread serves its replies (see
-        Delivery).
-
-        The calling HTTP thread sends the add itself: through this thread, busy with the other
-        streams' chunks, an add waited for it (H200, bench_serve's 64 streams with arrivals
-        spread, three interleaved rounds: p99 time to first token 13.1-17.8 ms through it,
-        11.2-12.2 ms sent here). This thread hears of the job before the engine can answer
-        it, and looks for such news before each message it reads (_run_commands)."""
+        """Send the job to the engine; the link's thread then serves it (Delivery). The HTTP
+        thread sends the add itself, as the link, busy with other streams' chunks, delayed it
+        (p99 TTFT at 64 streams: 13-18 ms through it, 11-12 ms sent here). The link hears of the
+        job first: it runs its commands before it reads each message."""
         self.commands.put(("_record_job", job, delivery))
         with self.pipe_lock:
             if not self.open:  # (before the add: the engine's wait_idle must not see both idle)
@@ -5702,8 +5677,7 @@ class EngineLink:
         self._wake()  # (no answer will come: _add fails it)
 
     def end_job(self, job, choices=None, reason="abort"):
-        """End a job's choices (default: all) still in the engine; reason, for the metrics: "stop"
-        (a stop string ended it) or "abort"."""
+        """End a job's choices (default: all) in the engine; reason: "stop" or "abort"."""
         self._put(("_end_choices", job, choices, reason))
 
     def _put(self, command):
@@ -5756,28 +5730,16 @@ class EngineLink:
                     command[2].done.set()
 
     def _send_to_engine(self, message):
-        try:
-            with self.pipe_lock:
-                self.conn.send(message)
-        except OSError:  # (the engine's side is gone: the next wait sees the pipe closed)
-            pass
+        # (an OSError: the engine's side is gone, and the next wait sees the pipe closed)
+        with contextlib.suppress(OSError), self.pipe_lock:
+            self.conn.send(message)
 
     def _serve_deliveries(self):
-        """Serve every open Delivery: its new tokens as text, a stream's chunks to its socket;
-        every POLL_SECONDS, whether its client is still there. End those that are done (their
-        HTTP threads wake): finished, failed, or with their clients gone (their requests are
-        aborted). A bug in one ends that one only.
-
-        Here, on one thread, not on each request's HTTP thread: 64 HTTP threads each taking
-        the interpreter lock for their own stream's chunks would keep this thread waiting for it.
-
-        A stream's replies wait until its next write is due (Delivery.due), and a few steps'
-        replies then become text at once (when this ran on the engine thread, taking every
-        stream's replies every step was a fifth of its time under cProfile at concurrency 64).
-
-        Streams whose first chunk has not gone yet are served first: behind 63 older streams'
-        chunks, a new stream's first token waited 0.5-0.7 ms here at the median and 1.7 ms at
-        p99; served first, 0.1-0.2 ms (the stand-in engine of Deadlines' figures)."""
+        """Serve every open Delivery (its text, a stream's chunks; every POLL_SECONDS, whether its
+        client is there), and end those done: finished, failed, or gone (aborted). A bug in one
+        ends that one only. On one thread, as many HTTP threads each taking the interpreter lock
+        for their own chunks would keep it waiting. A stream waits until its next write is due,
+        so that a few steps' replies become text at once; new streams go first."""
         now = time.monotonic()
         check = now - self.checked >= POLL_SECONDS
         if check:
@@ -5899,8 +5861,7 @@ class EngineLink:
                 self.metrics.tpot.observe((choice.last - choice.first) / (choice.sent - 1))
 
     def _end_all(self, message):
-        """The engine serves no more (stopped, failed, or its process gone): every open job
-        fails with a 503 and `message`, and each open delivery ends with it."""
+        """The engine serves no more: every open job and delivery fails with a 503 and `message`."""
         self.gone = message
         jobs = {id(job): job for job in self.jobs.values()}
         jobs.update((id(choice.job), choice.job) for choice in self.live.values())
@@ -5926,11 +5887,9 @@ class EngineLink:
 # ----------------------------------------------------------------------------------------------
 # Chapter 36. The server: metrics
 # ----------------------------------------------------------------------------------------------
-# NEW in stage 08. GET /metrics in Prometheus' text format (0.0.4), which any Prometheus scrapes:
-# the engine's state after its last step (requests running and waiting, KV blocks, the prefix
-# cache's hit rate, speculation's drafts), counters since the start, and two latency
-# histograms: time to first token (from the request's arrival) and time per output token after
-# the first, the two numbers a serving benchmark reports.
+# NEW in stage 08. GET /metrics in Prometheus' text format (0.0.4): the engine's state after its
+# last step, counters since the start, and histograms of the two latencies a serving benchmark
+# reports: time to first token (from the request's arrival) and time per output token after it.
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0)  # seconds, vLLM's
@@ -5958,8 +5917,7 @@ class Histogram:
 
 
 class Metrics:
-    """The server's numbers, in the HTTP process: written by the EngineLink, read by /metrics,
-    under `lock`."""
+    """The server's numbers: written by the EngineLink, read by /metrics, under `lock`."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -6015,28 +5973,19 @@ class Metrics:
 # Chapter 36. The server: HTTP
 # ----------------------------------------------------------------------------------------------
 # NEW in stage 08. The standard library's ThreadingHTTPServer: a thread per connection, HTTP/1.1
-# with keep-alive (the openai client reuses its connections). What a broken or hostile client
-# can do is bounded: the request line and the headers have a size limit (414, 431), the body
-# too (413, refused before it is read), and every read and write on the socket times out
-# (`timeout`), so that a client that stalls holds its thread that long at most; a request that
-# does not arrive whole in that time never runs (408). A stream is server-sent events,
-# `data: {json}\n\n` a chunk, ending with `data: [DONE]`, in HTTP's chunked transfer encoding,
-# so that the connection stays open for the next request.
+# with keep-alive (the openai client reuses its connections). A broken or hostile client is
+# bounded: the request line, headers and body have size limits (414, 431, 413), and every socket
+# read and write times out (`timeout`), also the time a whole request has to arrive (408). A
+# stream is server-sent events (`data: {json}\n\n` a chunk, `data: [DONE]` last), chunked.
 #
-# A generation's HTTP thread: the body is checked (generation_request), the Job goes to the
-# engine through the EngineLink, and once it is accepted a stream's headers go out and the
-# link's thread takes over (Delivery): each choice's tokens become text through its own
-# Detokenizer (ChoiceText), a stream's chunks go out as they come (Answer writes OpenAI's
-# objects), and a choice that meets a stop string is aborted in the engine. The HTTP thread
-# then writes a non-streamed response, or an error. Whatever ends a request early (a client
-# gone, a failed write, an error) aborts the choices still running.
+# A generation's HTTP thread checks the body and sends the Job through the EngineLink, whose
+# thread serves it (Delivery): each choice's tokens become text (ChoiceText), a stream's chunks
+# go out as they come (Answer writes OpenAI's objects), and whatever ends a choice early (a stop
+# string, a client gone, an error) aborts it in the engine.
 
 SERVE_FILE = os.path.abspath(__file__)  # what the HTTP process runs (Server)
 POLL_SECONDS = 0.05  # how often a request waiting for tokens checks that its client is there
-# A stream writes at most every STREAM_INTERVAL seconds (serve's stream_interval), a chunk
-# carrying every token since the last: each write is Python on the link's thread (see Delivery),
-# and fewer, larger writes leave it time for more streams.
-STREAM_INTERVAL = 0.02
+STREAM_INTERVAL = 0.02  # a stream's writes at most: fewer, larger ones leave the link more time
 MAX_PENDING_BYTES = 4 << 20  # of a stream, not read by its client yet (the client is dropped)
 MAX_CONNECTIONS = 1024  # open at once, a thread each (serve's max_connections; a 503 beyond)
 MAX_REQUEST_LINE = 8192  # bytes of "POST /v1/completions HTTP/1.1" (414 beyond)
@@ -6047,14 +5996,11 @@ ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/metrics": {"GET"
           "/v1/completions": {"POST": "completions"},
           "/v1/chat/completions": {"POST": "chat_completions"},
           "/tokenize": {"POST": "tokenize"}, "/detokenize": {"POST": "detokenize"}}
-# No API key needed: the page (which asks for the key), the load balancer's health check, and
-# the metrics, which a Prometheus scraper reads without one (as vLLM serves them)
+# No API key: the page (which asks for it), the health check, and the metrics (as vLLM's)
 OPEN_ROUTES = ("/", "/health", "/metrics")
 
-# The chat page: one HTML document, its style and script inline (no external assets). It keeps
-# the conversation in the page and sends all of it with each message, as the chat API is
-# stateless; it reads the streamed reply with fetch and a stream reader rather than EventSource,
-# which can only GET. Model output goes in through textContent, never as markup.
+# The chat page, style and script inline: it sends the whole conversation each time (the API is
+# stateless), reads the stream with fetch (EventSource can only GET), and sets only textContent.
 CHAT_PAGE = r"""<!doctype html>
 <html lang="en">
 <head>
@@ -6254,9 +6200,8 @@ loadModel();
 
 
 class ChoiceText:
-    """One choice of a request: its tokens become text (a Detokenizer, with the
-    request's stop strings) and logprob entries; it counts them (usage) and knows how it
-    ended."""
+    """One choice of a request: its tokens become text (a Detokenizer, with the request's stop
+    strings) and logprob entries; it counts them (usage) and knows how it ended."""
 
     def __init__(self, index, tokenizer, stop, logprobs):
         self.index = index
@@ -6268,9 +6213,8 @@ class ChoiceText:
         self.offset = 0  # completions' text_offset: characters of the tokens' texts so far
 
     def add_tokens(self, tokens, logprobs, finish_reason, stop_token_id):
-        """New tokens (a step's, or several steps'); returns their text and logprob entries. The
-        eos or stop id that ended the request counts as a token, and writes neither text nor a
-        logprob."""
+        """New tokens (one or more steps'); returns their text and logprob entries. The eos or stop
+        id that ended the request counts as a token, and writes neither text nor a logprob."""
         pieces, entries = [], []
         if not self.detokenizer.stop:  # every token counts, and their text comes at once
             self.num_tokens += len(tokens)
@@ -6330,8 +6274,7 @@ class Answer:
             "logprobs": None, "finish_reason": None}])
 
     def chunk(self, choice, text, entries):
-        """A stream's chunk of one choice: its new text and logprobs; finish_reason is null
-        but on its last chunk."""
+        """A stream's chunk of one choice: its new text and logprobs (finish_reason on its last)."""
         item = {"index": choice.index}
         if self.request.chat:
             item["delta"] = {"content": text} if text or choice.finish_reason is None else {}
@@ -6351,12 +6294,9 @@ class Answer:
                 "total_tokens": prompt + completion}
 
     def logprobs(self, choice, entries):
-        """OpenAI's logprobs of these entries, or None when not asked for. Chat: per token its
-        text, logprob, UTF-8 bytes and top_logprobs, the k likeliest. Completions: parallel
-        lists, top_logprobs a {text: logprob} of the k likeliest and the sampled token. Keyed
-        by text, as OpenAI's legacy format is, two ids of the same text (a byte token and an
-        added one, or pieces of one character, both U+FFFD) are one entry: fewer than k may
-        come back; chat's lists keep every id."""
+        """OpenAI's logprobs of these entries, or None when not asked for: chat's a list of token
+        objects, completions' parallel lists, whose top_logprobs are keyed by text (the legacy
+        format), so that two ids of one text are one entry."""
         k = self.request.logprobs
         if k is None:
             return None
@@ -6383,9 +6323,8 @@ def _likeliest(logprobs):
 
 
 def _json_bytes(value):
-    """JSON in UTF-8. A lone surrogate ("\\ud800" is legal JSON) that a client sent in a name
-    and an error message repeats cannot be UTF-8: backslashreplace writes it as the escape
-    \\ud800, which (outside a string JSON has no characters beyond ASCII) is the JSON for it."""
+    """JSON in UTF-8. A lone surrogate a client sent, which an error message repeats, has no
+    UTF-8: backslashreplace writes it as the escape \\ud800, which is the JSON for it."""
     return json.dumps(value, ensure_ascii=False).encode(errors="backslashreplace")
 
 
@@ -6401,22 +6340,14 @@ def sse_bytes(events, done, chunked):
 
 
 class Delivery:
-    """A generation request from the moment it is sent to the engine, as the HTTP process's
-    link thread serves it (see EngineLink._serve_deliveries): the engine's answer comes first (a
-    refusal raises its APIError; an acceptance sends a stream's `head`, its status line and
-    headers, at once); then after each step the job's replies go through its choices'
-    ChoiceText (text, stop strings, logprobs) and, for a stream, out to the client as events,
-    at most every `interval` seconds: a chunk a choice, with every token since the last. Its
-    HTTP thread waits meanwhile (done), then sends what is left: a non-streamed answer, an
-    error, or the stream's last bytes.
-
-    The link thread, not the HTTP thread, starts the stream: nothing reaches the socket before
-    the link holds the delivery, so a link that ends (the server stops) ends every stream that
-    began, with its error event.
-
-    The socket is non-blocking meanwhile, so that no client can hold the link's thread: bytes it has
-    not read yet wait in `pending`, and a client that reads nothing for `timeout` seconds, or
-    falls MAX_PENDING_BYTES behind, is dropped like one that hung up (`gone`)."""
+    """A generation request from the moment it is sent to the engine, as the link's thread
+    serves it: a refusal raises its APIError, an acceptance queues a stream's `head`; then the
+    replies go through the choices' ChoiceText and, for a stream, out at most every `interval`
+    seconds. Its HTTP thread waits (done), then sends what is left: a non-streamed answer, an
+    error, or the stream's last bytes. (The link starts the stream, so a link that ends ends
+    every stream that began.) The socket is non-blocking meanwhile, so that no client holds the
+    link: unread bytes wait in `pending`, and a client that reads nothing for `timeout` seconds,
+    or falls MAX_PENDING_BYTES behind, is dropped like one that hung up (`gone`)."""
 
     def __init__(self, job, answer, choices, head, sock, chunked, interval, timeout):
         self.job, self.answer, self.choices, self.head = job, answer, choices, head
@@ -6431,8 +6362,7 @@ class Delivery:
         self.error = None  # the APIError that ended it
         self.gone = False  # its client hung up, or stopped reading
         self.done = threading.Event()
-        # (a client is first looked for POLL_SECONDS in, as when its HTTP thread waited: one
-        # that half-closed its socket after a fast request still gets its answer)
+        # (a client is looked for only POLL_SECONDS in: one that half-closed gets a fast answer)
         self.since = time.monotonic()
 
     @property
@@ -6440,18 +6370,13 @@ class Delivery:
         return all(choice.finish_reason is not None for choice in self.choices)
 
     def due(self, now):
-        """Whether its replies should be taken now: always for a non-streamed answer; for a
-        stream, when its next write is due (the first at once), when bytes wait for the socket,
-        or once its end is queued (job.ending). A stream's stop string is then found up to
-        `interval` late, and the engine runs that choice a few steps more, whose tokens the
-        text never shows."""
-        return (not self.stream or now >= self.next_write or bool(self.pending)
-                or self.job.ending)
+        """Whether its replies should be taken now: for a stream, when a write is due, bytes wait,
+        or its end is queued (a stop string is then found up to `interval` late)."""
+        return not self.stream or now >= self.next_write or bool(self.pending) or self.job.ending
 
     def take_replies(self, stop):
-        """The replies come so far, as text; stop(index): a stop string ended that choice, which
-        the engine must stop too. A failure raises its APIError. A choice's replies of several
-        steps are taken as one (ChoiceText.add gives the same text for them)."""
+        """The replies come so far, as text, a choice's replies of several steps as one;
+        stop(index): a stop string ended that choice. A failure raises its APIError."""
         replies, queued = [], self.job.replies
         while not queued.empty():
             replies.append(queued.get())
@@ -6487,9 +6412,8 @@ class Delivery:
                 all_entries += entries
 
     def write_stream(self, now):
-        """A stream's head once accepted, its chunks when due, and its end once finished; then
-        as much of what is pending as the socket takes without waiting. ClientGone or OSError:
-        drop the client."""
+        """A stream's head once accepted, its chunks when due, its end once finished; then what
+        the socket takes of `pending` without waiting. ClientGone or OSError: drop the client."""
         if self.accepted and not self.started:
             self._queue(self.head, now)
             self.started = True
@@ -6542,16 +6466,13 @@ class HeadersTooLong(Exception):
 
 
 class RequestCut(Exception):
-    """The request line or the headers ended before their line break: the deadline shut the
-    socket's reading side, or the client closed its own."""
+    """The request line or headers ended before their line break (the deadline, or the client)."""
 
 
 class _HeaderLimit:
-    """The request's file while http.server parses the headers, which it reads a line at a time
-    until an empty one: past MAX_HEADER_BYTES in all this raises HeadersTooLong, and at the end
-    of the stream RequestCut. http.server takes the end of the stream (readline's b"") for the
-    end of the headers, and would run a GET that never finished them. (Neither is one of
-    http.client's errors, which parse_request answers itself, in words of its own.)"""
+    """The request's file while http.server reads the headers: past MAX_HEADER_BYTES in all it
+    raises HeadersTooLong, at the end of the stream RequestCut (http.server would take the end
+    for the end of the headers, and run a GET that never finished them)."""
 
     def __init__(self, rfile):
         self.rfile, self.left = rfile, MAX_HEADER_BYTES
@@ -6568,8 +6489,7 @@ class _HeaderLimit:
 
 class Handler(BaseHTTPRequestHandler):
     """One connection's requests, one after another (HTTP/1.1 keep-alive); self.app is the
-    Server. Every request goes through route(); an error of any kind is answered in OpenAI's
-    envelope."""
+    HTTPSide. Every request goes through route(); any error is answered in OpenAI's envelope."""
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # not 0.9: a garbled request line gets a status line
     server_version = "08_serve"
@@ -6582,12 +6502,10 @@ class Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def finish(self):
-        """Closing a socket with bytes unread makes the kernel answer with a reset, which can
-        destroy the error response the client has not read yet (a body refused as too large is
-        still on its way): drop what the client still sends first, for a bounded while, as web
-        servers' "lingering close" does."""
+        """A socket closed with unread bytes is reset, which can destroy an error response not yet
+        read: first drop what the client sends, for a bounded while (a "lingering close")."""
         if self.linger:
-            try:
+            with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_WR)
                 deadline, left = time.monotonic() + LINGER_SECONDS, LINGER_BYTES
                 while left > 0 and time.monotonic() < deadline:
@@ -6596,14 +6514,11 @@ class Handler(BaseHTTPRequestHandler):
                     if not data:
                         break
                     left -= len(data)
-            except OSError:
-                pass
         super().finish()
 
     def handle_one_request(self):
         """BaseHTTPRequestHandler's, with a shorter request line, a deadline for the whole
-        request, and every method routed by route(): an unknown method is a 405 (or a 404), not
-        a 501."""
+        request, and every method routed by route() (an unknown one is a 405 or 404, not 501)."""
         self.late = self.watchdog = None
         try:
             if self.rfile.peek(1):  # a request begins (or the client closed: b"")
@@ -6628,10 +6543,8 @@ class Handler(BaseHTTPRequestHandler):
             self.stop_deadline()
 
     def start_deadline(self):
-        """`timeout` bounds each read, but a client that trickles a byte at a time never lets
-        one time out: the request line, headers and body together get `timeout` seconds too.
-        Past them the reading side of the socket is shut, so the blocked read sees the end of
-        the stream (and the answer can still be written)."""
+        """A client that trickles bytes never lets a read time out: the whole request gets
+        `timeout` seconds too, then the socket's reading side is shut (writing still works)."""
         def expire():
             self.late = True
             with contextlib.suppress(OSError):
@@ -6660,9 +6573,8 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def cut_short(self):
-        """Answer a request whose line or headers stopped before their end: it never runs. A
-        408 when its time ran out (as a body cut short gets), a 400 when its client closed its
-        side; either way the connection closes (send_error)."""
+        """Answer a request whose line or headers stopped short, which never runs: a 408 when its
+        time ran out, a 400 when its client closed its side; the connection closes."""
         if self.late:
             self.send_error(HTTPStatus.REQUEST_TIMEOUT,
                             f"the request did not arrive within {self.timeout} s")
@@ -6715,8 +6627,7 @@ class Handler(BaseHTTPRequestHandler):
             self.fail(APIError("internal server error (the server logged it)", 500))
 
     def fail(self, error):
-        """Answer an error: a response with its status or, once a stream has begun, a last
-        event with the error object."""
+        """Answer an error: a response with its status or, once a stream began, a last event."""
         try:
             if self.streaming:
                 self.write_events([error.body()], done=True)
@@ -6808,8 +6719,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"object": "list", "data": [self.app.model_card()]})
 
     def model(self):
-        """GET /v1/models/{model} (the client's models.retrieve): the served model's card. The
-        name is percent-decoded: the official client sends a Hub id's "/" as %2F, curl as is."""
+        """GET /v1/models/{model}: the served model's card. The name is percent-decoded: the
+        openai client sends a Hub id's "/" as %2F, curl as is."""
         name = urllib.parse.unquote(self.path.split("?", 1)[0].removeprefix("/v1/models/"))
         if name != self.app.model_name:
             raise self.model_not_found(name)
@@ -6867,8 +6778,7 @@ class Handler(BaseHTTPRequestHandler):
         self.connection.setblocking(False)
         try:
             engine.submit(job, delivery)
-            # (rarely awake: 64 threads waking every 50 ms take the interpreter lock from the
-            # link's thread too)
+            # (rarely awake: many threads waking often take the interpreter lock from the link)
             while not delivery.done.wait(1.0):
                 if not engine.thread.is_alive():  # (a job added as the link ended: its last)
                     delivery.error = APIError(engine.gone or "the link to the engine has "
@@ -6902,17 +6812,14 @@ class Handler(BaseHTTPRequestHandler):
         return "".join(line + "\r\n" for line in lines + [""]).encode("latin-1")
 
     def write_events(self, events, done=False):
-        """Server-sent events in one write (sse_bytes); done: then `data: [DONE]` and the end of
-        the response."""
+        """Server-sent events in one write (sse_bytes); done: `data: [DONE]` and the end."""
         self.wfile.write(sse_bytes(events, done, self.chunked))
 
 
 class Deadlines:
-    """One thread that runs each action added when its time comes, unless it was cancelled
-    first: every request's deadline (Handler.start_deadline). A threading.Timer a request
-    started a thread each time, and a start waits until the new thread holds the interpreter
-    lock: with 64 streams from a stand-in engine on a 2-core CPU, a request's time from its
-    first byte to its add went from 0.7 to 0.3 ms at the median, 1.6 to 0.6 ms at p99."""
+    """One thread that runs each action when its time comes, unless cancelled first: every
+    request's deadline (Handler.start_deadline). A threading.Timer a request would start a
+    thread each, and a start waits for the new thread to take the interpreter lock."""
 
     def __init__(self):
         self.heap, self.added = [], 0  # [when (time.monotonic), order added, action or None]
@@ -6929,8 +6836,7 @@ class Deadlines:
         return entry
 
     def cancel(self, entry):
-        """After this, the action does not run (it may have run already). The entry stays in
-        the heap until its time."""
+        """The action does not run after this (it may have run already)."""
         with self.changed:
             entry[2] = None
 
@@ -6949,19 +6855,10 @@ class Deadlines:
 
 
 class _HTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with a thread a connection, up to max_connections of them: a client
-    beyond them gets a 503 at once and is closed, rather than a thread (each holds its stack,
-    and all share one interpreter lock).
-
-    There is no accept loop handing connections to threads: the idle connection threads all
-    wait in accept() (serve_forever's thread is one of them), the kernel gives a new connection
-    to one of them, and that thread serves it, then waits again. With a loop, each connection
-    went from its thread to another, whose wake-up waits for the interpreter lock too, which
-    the link's thread, busy with 64 streams, may hold (H200, bench_serve's 64 streams with
-    arrivals spread, three interleaved rounds: p99 time to first token 11.8-13.3 ms with the
-    loop, 10.7-11.4 ms without). A thread starts when the last idle one takes a connection,
-    so that one always waits for the next (the one that answers the 503s, once
-    max_connections are open)."""
+    """ThreadingHTTPServer with a thread a connection, up to max_connections (a 503 beyond). No
+    accept loop hands connections to threads, whose wake-ups would wait for the interpreter lock:
+    the idle threads all wait in accept(), and the one the kernel gives a connection serves it. A
+    thread starts when the last idle one takes a connection, so that one always waits."""
     request_queue_size = 128  # the listen backlog: a burst of clients may connect at once
 
     def __init__(self, sock, handler, max_connections):
@@ -6978,16 +6875,14 @@ class _HTTPServer(ThreadingHTTPServer):
         self.deadlines = Deadlines()
 
     def serve_forever(self, poll_interval=None):
-        """Take connections on this thread, and on more as needed, until shutdown()
-        (poll_interval: socketserver's, unused: no loop polls)."""
+        """Take connections on this thread, and more as needed, until shutdown() (no polling)."""
         with self.connections_lock:
             self.threads += 1
         self.connection_thread()
 
     def shutdown(self):
-        """No connection is taken any more: every thread waiting in accept() sees an error
-        and ends (Linux fails accept() on a listening socket shut down with EINVAL; where a
-        system does not, they wait on as daemon threads, and end with the process)."""
+        """No connection is taken any more: accept() fails in every waiting thread, which ends
+        (on Linux; elsewhere they wait on as daemon threads, and end with the process)."""
         self.stopping = True
         with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)
@@ -7046,8 +6941,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class HTTPSide:
-    """What the HTTP threads share (a Handler's self.app), in the HTTP process: the settings,
-    the metrics, the link to the engine, and the model's tokenizer and sizes once it is ready."""
+    """What the HTTP threads share (Handler's self.app): settings, metrics, link, tokenizer."""
 
     def __init__(self, api_key, model_name, max_body_bytes, timeout, stream_interval, created):
         self.api_key, self.model_name, self.created = api_key, model_name, created
@@ -7069,10 +6963,8 @@ class HTTPSide:
 
 
 def http_process(listen_fd, pipe_fd):
-    """The HTTP process (python 08_serve.py --http-process LISTEN_FD PIPE_FD, which Server
-    starts): the HTTP server on the socket the engine's process bound, the link on the pipe.
-    It ends when the engine tells it to stop, or its end of the pipe closes: running requests
-    get their last answers (an error), and then it exits."""
+    """The HTTP process (08_serve.py --http-process LISTEN_FD PIPE_FD, started by Server): the
+    HTTP server on the socket that Server bound, the link on the pipe, until the engine stops."""
     conn = multiprocessing.connection.Connection(pipe_fd)
     settings = conn.recv()
     # the tokenizer comes pickled under the engine's name for this file's module
@@ -7095,9 +6987,8 @@ def http_process(listen_fd, pipe_fd):
 
 
 class Server:
-    """A running server (see serve): url, port, model_name, llm (None while loading),
-    wait_ready, wait_idle, shutdown. This process keeps the model and its engine thread; the
-    HTTP runs in a child process (http_process), on the socket bound here."""
+    """A running server (see serve): url, port, model_name, llm (None while loading), wait_ready,
+    wait_idle, shutdown. The model stays in this process; the HTTP runs in http_process."""
 
     def __init__(self, llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
                  stream_interval=STREAM_INTERVAL, max_connections=MAX_CONNECTIONS):
@@ -7135,12 +7026,11 @@ class Server:
                  str(theirs.fileno())], pass_fds=(listener.fileno(), theirs.fileno()),
                 start_new_session=True)  # (a Ctrl-C reaches this process only: it stops both)
         self.conn = multiprocessing.connection.Connection(ours.detach())
-        self._send_to_http(dict(module=__name__, api_key=api_key, model_name=self.model_name,
-                        max_body_bytes=max_body_bytes, timeout=timeout,
-                        stream_interval=stream_interval, max_connections=max_connections,
-                        created=int(time.time()),
-                        log_level=LOG.getEffectiveLevel() if logging.getLogger().handlers
-                        else None))
+        self._send_to_http(dict(
+            module=__name__, api_key=api_key, model_name=self.model_name,
+            max_body_bytes=max_body_bytes, timeout=timeout, stream_interval=stream_interval,
+            max_connections=max_connections, created=int(time.time()),
+            log_level=LOG.getEffectiveLevel() if logging.getLogger().handlers else None))
         if isinstance(llm, LLM):
             try:
                 self._start(llm)
@@ -7184,7 +7074,8 @@ class Server:
                 return
             self.llm = llm
             self.engine = EngineThread(llm, self.conn, self._send_to_http, self._on_http_ready)
-            self._send_to_http(("ready", llm.tokenizer, llm.max_model_len, llm.model.cfg.vocab_size))
+            self._send_to_http(("ready", llm.tokenizer, llm.max_model_len,
+                                llm.model.cfg.vocab_size))
 
     def _on_http_ready(self):  # (the HTTP process has the tokenizer: every route is served)
         self.ready.set()
@@ -7196,8 +7087,7 @@ class Server:
         return self.ready.is_set()
 
     def wait_idle(self, timeout=None):
-        """Wait until no request is left, in the engine or the HTTP process; whether none is
-        (False: timed out)."""
+        """Wait until no request is left on either side; False: timed out."""
         return self.engine is None or self.engine.wait_until_idle(timeout)
 
     def shutdown(self, timeout=10.0):
@@ -7223,18 +7113,14 @@ class Server:
 def serve(llm, host="127.0.0.1", port=0, *, api_key=None, served_model_name=None,
           max_body_bytes=1 << 20, timeout=30.0, stream_interval=STREAM_INTERVAL,
           max_connections=MAX_CONNECTIONS):
-    """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port; port 0 takes a free
-    one. llm may also be a function that returns the LLM: it then loads on a thread of its own,
-    and until it is ready every route answers 503 (an LLM is ready at once, after its CUDA
-    graphs are captured: LLM.capture_graphs). api_key: required on every route but /, /health
-    and /metrics ("Authorization: Bearer KEY"; a Prometheus scraper sends none, and vLLM too
-    serves its metrics open). served_model_name: the model's name in the API (default
-    "qwen3"). max_body_bytes: the largest request body (413 beyond); timeout: seconds that any
-    read or write on a client's socket may take (and a stream's client may take to read what it
-    was sent). stream_interval: a stream writes at most every so many seconds, a chunk
-    carrying the tokens since the last (0: every step). max_connections: open connections at
-    most, each served by a thread (a 503 beyond). Returns the Server as soon as its socket is
-    bound (and an LLM's graphs captured); its threads are daemon threads."""
+    """Serve the OpenAI API on an LLM (with a tokenizer) at http://host:port (port 0: a free one).
+    llm may be a function that returns the LLM: it loads on a thread, every route answering 503
+    meanwhile. api_key: required on every route but /, /health and /metrics ("Authorization:
+    Bearer KEY"). served_model_name: the model's name in the API (default "qwen3").
+    max_body_bytes: the largest body (413 beyond); timeout: seconds any read or write on a
+    client's socket may take. stream_interval: a stream writes at most every so many seconds (0:
+    every step). max_connections: open connections at most, a thread each (503 beyond). Returns
+    the Server once its socket is bound (and an LLM's CUDA graphs captured)."""
     return Server(llm, host, port, api_key, served_model_name, max_body_bytes, timeout,
                   stream_interval, max_connections)
 
@@ -7290,31 +7176,22 @@ def random_model(cfg, device, dtype, seed=0):
 
 
 # NEW in stage 08. vLLM's `bench serve` in small: the server runs in this process on Qwen3-0.6B's
-# shape (random bf16 weights), and client threads send it streaming /v1/completions requests
-# over loopback HTTP from c clients, each on its own connection. Per request: the time to first
-# token (TTFT: the request sent -> the first chunk with text), and the time per output token after
-# it (TPOT: (end - first token) / (output tokens - 1)). Per concurrency: output tokens/s over the
-# wall time, and TTFT and TPOT at p50 and p99. The same requests through LLM.generate give the
-# engine's own rate, and its time to the first token of a whole wave: the gaps are what the
-# server costs. A wave of c requests arriving together waits for all their prefills, so TTFT is
-# measured once more at the highest concurrency with the arrivals spread out (send_requests),
-# and then again with prefill_first off, in the same engine, to show what it buys. The engine
-# alone meets the same clients too (offline_ttft): the TTFT the server adds shows on its own.
+# shape (random bf16 weights), and c clients send it streaming /v1/completions over loopback HTTP.
+# Per request: the time to first token (TTFT: sent -> first chunk with text) and the time per
+# output token after it (TPOT); per concurrency: output tokens/s, and TTFT and TPOT at p50 and
+# p99. LLM.generate on the same requests, and the engine alone under the same clients, show what
+# the server costs. A wave of c requests arriving together waits for all their prefills, so TTFT
+# is measured again at the highest concurrency with the arrivals spread (send_requests).
 #
-# The clients run in processes of their own: threads of the server's process would take the
-# interpreter lock (the GIL) from the server for every chunk they parse (measured on the H200 at
-# concurrency 64: 22% of the engine's tokens/s with the clients in the server's process). And not
-# all in one process: 64 client threads there wait for each other's lock, and a first chunk is
-# timed when its thread gets the lock, not when it arrives (TTFT p90 at concurrency 64 with
-# arrivals spread, H200: 8.8-8.9 ms from 8 processes, 9.2-9.9 ms from one).
+# The clients run in processes of their own (in the server's, they take the GIL from it for
+# every chunk: at 64 streams the server fell to 22% of the engine's rate), and in several, as
+# threads of one process wait for each other's lock, and a chunk is timed when its thread has it.
 
 CLIENT_PROCESSES = 8
 
 
 def percentile(values, q):
-    """The q-th percentile (q in 0..100) by linear interpolation between the two nearest ranks,
-    as numpy's default and vLLM's bench compute it: the p99 of 16 values lies 85% of the way
-    from the 15th smallest to the largest."""
+    """The q-th percentile (q in 0..100), interpolated linearly as numpy's and vLLM's bench do."""
     xs = sorted(values)
     if not xs or not 0 <= q <= 100:
         raise ValueError(f"percentile {q} of {len(xs)} values: needs values, and q in 0..100")
@@ -7325,12 +7202,9 @@ def percentile(values, q):
 
 
 def sse_data(chunks):
-    """The data of each server-sent event in a byte stream that arrives in pieces cut anywhere
-    (inside a line, inside a UTF-8 character). Lines are cut at b"\\n" in the bytes and decoded
-    whole, which is safe because no multi-byte UTF-8 character holds the byte 0x0A; a blank line
-    ends an event, whose "data:" lines join with "\\n" (the SSE format). Comments (":" lines) and
-    other fields are skipped; an event unfinished when the stream ends is dropped, as the format
-    says."""
+    """The data of each server-sent event in a byte stream cut anywhere. Lines are cut at b"\\n"
+    and decoded whole (no multi-byte UTF-8 character holds 0x0A); a blank line ends an event,
+    whose "data:" lines join with "\\n"; other lines are skipped (the SSE format)."""
     buffer, data = b"", []
     for chunk in chunks:
         *lines, buffer = (buffer + chunk).split(b"\n")
@@ -7346,13 +7220,8 @@ def sse_data(chunks):
 
 
 def stream_completion(port, body, timeout):
-    """Send one streaming completion (body: its JSON, as bytes) on a connection of its own and
-    read it to the end. Returns (seconds to the first token, seconds from it to the end, output
-    tokens from the final usage chunk).
-
-    The first token is the first chunk whose choices carry text. Any chunk at all would do
-    with this bench's tokenizer, where every token writes text, but a server may send an empty
-    chunk when it accepts a request, before the prefill, and text is what a user waits for."""
+    """Send one streaming completion (body: JSON bytes) on a connection of its own. Returns
+    (seconds to the first chunk with text, seconds from it to the end, output tokens)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         start = time.perf_counter()  # before connecting, as vLLM's client starts its clock
@@ -7381,13 +7250,10 @@ def stream_completion(port, body, timeout):
 
 
 def send_requests(port, bodies, concurrency, timeout, spread=0.0, clients=None):
-    """(wall seconds, [stream_completion's result a request]) of sending the bodies from
-    `concurrency` clients, each on a thread, each sending its next request when its last one
-    ends: client i sends bodies i, i + concurrency, ... Client i starts i * spread / concurrency
-    seconds in. spread = 0: the first `concurrency` requests arrive at once (vLLM's
-    --max-concurrency with every request ready at the start); spread = one request's duration:
-    arrivals evenly spread, as when requests of many clients come and go. clients: the client
-    numbers this call runs (default all of them); the results of the others' bodies are None."""
+    """(wall seconds, [stream_completion's result a request]) of `concurrency` client threads,
+    client i sending bodies i, i + concurrency, ... one after another from i * spread /
+    concurrency seconds in (spread 0: vLLM's --max-concurrency; one request's duration: a steady
+    state). clients: the client numbers this call runs (default all; the others' are None)."""
     results = [None] * len(bodies)
 
     def client(i):
@@ -7404,10 +7270,9 @@ def send_requests(port, bodies, concurrency, timeout, spread=0.0, clients=None):
 
 def serve_requests(server, prompts, concurrency, output_len, temperature, timeout=120.0,
                    clients=None, processes=1, spread=0.0):
-    """Send each prompt (token ids) to the server as a streaming completion, from `concurrency`
-    clients (send_requests, with its spread), from this process or, given an executor `clients`,
-    from `processes` of its processes, client i in process i % processes. Returns the wall
-    seconds (the longest of the processes') and, per request, (TTFT, TPOT) in seconds."""
+    """Each prompt as a streaming completion from send_requests' clients, here or, given an
+    executor `clients`, spread over `processes` of its processes. Returns the wall seconds (the
+    longest process's) and, per request, (TTFT, TPOT) in seconds."""
     bodies = [json.dumps({"model": server.model_name, "prompt": prompt, "max_tokens": output_len,
                           "ignore_eos": True, "temperature": temperature, "stream": True,
                           "stream_options": {"include_usage": True}}).encode()
@@ -7431,15 +7296,13 @@ def serve_requests(server, prompts, concurrency, output_len, temperature, timeou
 
 
 def offline_rate(llm, prompts, params, concurrency):
-    """Output tokens/s of LLM.generate on the same prompts in waves of `concurrency`, and the
-    mean seconds until every prompt of a wave has its first token (LLM.generate with
-    max_tokens=1 on each wave). With ignore_eos every output has the same length, so the
-    server's streams too start and end together, wave after wave: this is its workload without
-    the HTTP in between, and the second figure is the least that a burst's last TTFT can be."""
+    """Output tokens/s of LLM.generate on the prompts in waves of `concurrency` (the server's
+    workload without the HTTP), and the mean seconds until a wave has all its first tokens."""
     waves = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
     torch.cuda.synchronize()
     start = time.perf_counter()
-    tokens = sum(len(out.token_ids) for wave in waves for out in llm.generate(wave, params))
+    tokens = sum(len(out.outputs[0].token_ids) for wave in waves
+                 for out in llm.generate(wave, params))
     torch.cuda.synchronize()
     rate = tokens / (time.perf_counter() - start)
     llm.engine.block_manager.reset_prefix_cache()  # or the prefills below would be cache hits
@@ -7452,14 +7315,9 @@ def offline_rate(llm, prompts, params, concurrency):
 
 
 def offline_ttft(llm, prompts, params, concurrency, spread=0.0):
-    """The engine alone, without the server, under send_requests' clients: client i sends
-    prompts i, i + concurrency, ... each as soon as its last one ends, the first at i * spread
-    / concurrency seconds in; a request that arrives during a step is added before the next, as
-    the server's engine thread takes its commands. Returns per prompt (arrival, first token,
-    end), seconds from the start: the server's TTFT without the HTTP, and without the engine
-    thread's chores (commands, deliveries) between its steps. A client's next prompt arrives
-    between two steps here, the moment its last one ended; over HTTP it arrives a little later,
-    during the next step, and waits for that step to end too."""
+    """The engine alone under send_requests' clients, a request that arrives during a step added
+    before the next. Returns per prompt (arrival, first token, end) in seconds from the start:
+    the server's TTFT without its HTTP and the engine thread's chores."""
     engine, start = llm.engine, time.perf_counter()
     # client -> (when its next prompt arrives, which one); a request's id is its prompt's index
     due = {c: (start + c * spread / concurrency, c) for c in range(min(concurrency, len(prompts)))}
@@ -7486,18 +7344,10 @@ def offline_ttft(llm, prompts, params, concurrency, spread=0.0):
 
 
 def bench_tokenizer(vocab_size, eos_token_ids=(151643, 151645)):
-    """A Tokenizer for the bench's random model in which each of its vocab_size ids writes text:
-    id i decodes to a space and i in base 26 written with a..z (" a", " b", ..., " ba", ...), a
-    word of 2 to 5 bytes, one for each id.
-
-    The server streams text, not ids, and a random model samples ids all over its 151,936 rows:
-    with a real tokenizer some, with a small one nearly all, decode to nothing, so chunks would
-    carry no text and the first one with text could come tokens late. Words the size of real
-    tokens (about 4 bytes in English) keep the chunks the server writes realistic too. No
-    special tokens, so decoding skips nothing; the eos ids are Qwen3's (<|endoftext|>,
-    <|im_end|>), which ignore_eos makes irrelevant. encode is byte by byte (a byte-level BPE
-    with no merges), which these words do not decode back: the bench sends token ids, and encode
-    is there only so that a text prompt works at all."""
+    """A Tokenizer in which each of vocab_size ids writes a word the size of a real token: a
+    space and i in base 26 with a..z (" a", ..., " ba", ...). With a real tokenizer some of a
+    random model's ids would write nothing, and a chunk carry no text. encode is byte by byte
+    (no merges): the bench sends token ids."""
     def word(i):
         digits = ""
         while True:
@@ -7520,16 +7370,12 @@ def latencies(timings):
 
 def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
                 temperature=0.6, stream_interval=STREAM_INTERVAL, prefill_first=True):
-    """The server over HTTP against the engine alone (see above), at each concurrency, on
-    Qwen3-0.6B's shape with random bf16 weights: prompt_len random token ids a prompt,
-    output_len tokens each (ignore_eos). Temperature 0.6 (Qwen3's recommended setting): a
-    server is benchmarked on sampling, which costs a little more than greedy, as 07's
-    throughput bench is. stream_interval: the server's (serve). Checks the two targets: p99
-    TTFT at the highest concurrency, arrivals spread, within 2x of the lowest's; and output
-    tokens/s at the highest at least 80% of the engine's alone. Returns the figures, or None
-    without a GPU."""
-    if device.type != "cuda":
-        print("serving bench: needs a CUDA GPU; skipped")
+    """The server over HTTP against the engine alone (see above) at each concurrency: prompts of
+    prompt_len random ids, output_len tokens each (ignore_eos), temperature 0.6 (Qwen3's
+    recommended sampling). Checks two targets: p99 TTFT at the highest concurrency, arrivals
+    spread, within twice the lowest's; output tokens/s at the highest at least 0.8 of the
+    engine's alone. Returns the figures, or None without a GPU."""
+    if not gpu_only("serving", device):
         return None
     if output_len < 2:
         raise ValueError(f"output_len = {output_len}: TPOT needs at least 2 output tokens")
@@ -7537,31 +7383,24 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
     llm = LLM(random_model(cfg, device, torch.bfloat16), tokenizer=bench_tokenizer(cfg.vocab_size),
               max_model_len=prompt_len + output_len, prefill_first=prefill_first)
     params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
-    # At least two waves of c requests at each concurrency, so that requests also arrive while
-    # others decode (the second wave joins as the first ends), and at least 32, so that c = 1's
-    # percentiles rest on more than a few samples. Each level has its own prompts (seed c), the
-    # warm-up others (seed 0): random prompts share no prefix-cache block.
+    # Two waves of c requests at least (so that some arrive while others decode), 32 at least
+    # (for c = 1's percentiles); a seed for each level, so that no prefix-cache block is shared.
     prompts = {c: random_prompts(cfg.vocab_size, [prompt_len] * max(2 * c, 32), seed=c)
                for c in concurrency}
     top, low = max(concurrency), min(concurrency)
     warm_up = random_prompts(cfg.vocab_size, [prompt_len] * top, seed=0)
-    print(f"\nserving: Qwen3-0.6B shape, bf16, random weights; streaming /v1/completions over "
-          f"loopback HTTP, prompt {prompt_len} and output {output_len} tokens (ignore_eos), "
-          f"temperature {temperature}; against LLM.generate on the same requests")
-    # Warm-up: the graphs of steps that are not decodes, as the server captures them before it
-    # is ready; outputs of 1..top tokens, so that decode batches shrink through every size and
-    # each decode graph is captured, and top prompts of prompt_len for the prefill's tile sizes.
+    # Warm-up: the graphs, as the server captures them before it is ready; top prompts (the
+    # prefill's tile sizes) with outputs of 1..top tokens (decode batches of every size).
     start = time.perf_counter()
     graphs = llm.capture_graphs()
-    print(f"{graphs} CUDA graphs captured in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"\nserving bench: {graphs} CUDA graphs captured in {time.perf_counter() - start:.1f} s",
+          flush=True)
     llm.generate(warm_up, [SamplingParams(max_tokens=1 + i, temperature=temperature,
                                           ignore_eos=True) for i in range(top)])
     # The engine alone first: once serve() has it, only the server's engine thread may call it.
     offline = {c: offline_rate(llm, prompts[c], params, c) for c in concurrency}
-    # Its TTFT under the clients of the server's rows below (offline_ttft): at the lowest
-    # concurrency, and at the highest with the arrivals spread over a request's duration at the
-    # engine's rate, each client's first request left out. What the server adds to these is
-    # its HTTP, and the pipe between its two processes.
+    # Its TTFT under the clients of the server's rows below (lowest concurrency, and highest
+    # with arrivals spread): what the server adds is its HTTP, and the pipe between its processes.
     steady = random_prompts(cfg.vocab_size, [prompt_len] * (8 * top), seed=1 << 20)
     alone = {}
     for c, some, spread in ((low, prompts[low], 0.0),
@@ -7580,9 +7419,14 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
             raise RuntimeError("the server did not become ready in 60 s")
         # the HTTP path, and the client processes started (spawning each imports this file)
         serve_requests(server, warm_up, top, 16, temperature, **processes)
-        print(f"  {'concurrency':>11} {'requests':>8} {'output tok/s':>12} {'engine':>8} "
-              f"{'ratio':>6} {'TTFT p50':>9} {'p99 ms':>7} {'engine':>7} {'TPOT p50':>9} "
-              f"{'p99 ms':>7}")
+        table = Table(f"serving bench: Qwen3-0.6B shape, bf16, random weights; streaming "
+                      f"/v1/completions over loopback HTTP, prompt {prompt_len} and output "
+                      f"{output_len} tokens (ignore_eos), temperature {temperature}; against "
+                      f"LLM.generate on the same requests",
+                      [("concurrency", 11, "d"), ("arrivals", 25, ""), ("requests", 8, "d"),
+                       ("output tok/s", 12, ",.0f"), ("engine", 8, ",.0f"), ("ratio", 6, ".0%"),
+                       ("TTFT p50", 9, ".1f"), ("p99 ms", 7, ".1f"), ("engine", 7, ".1f"),
+                       ("TPOT p50", 9, ".2f"), ("p99 ms", 7, ".2f")])
         for c in concurrency:
             seconds, timings = serve_requests(server, prompts[c], c, output_len, temperature,
                                               **processes)
@@ -7590,39 +7434,33 @@ def bench_serve(device, concurrency=(1, 16, 64), prompt_len=512, output_len=256,
             results[c] = r = dict(requests=len(timings), seconds=seconds, output_tok_s=rate,
                                   offline_tok_s=engine_rate, offline_ttft_ms=1e3 * engine_ttft,
                                   **latencies(timings))
-            print(f"  {c:>11} {r['requests']:>8} {rate:>12,.0f} {engine_rate:>8,.0f} "
-                  f"{rate / engine_rate:>6.0%} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} "
-                  f"{r['offline_ttft_ms']:>7.1f} {r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f}",
-                  flush=True)
-        # The same concurrency with arrivals spread over one request's duration (send_requests):
-        # a request then arrives while the others decode, as in a server's steady state, rather
-        # than with top - 1 other prompts to prefill first. Each client's first request, sent
-        # while the others are still starting, is left out. Eight requests a client, so that
-        # at top = 64 the p99 of the 448 measured rests on their 5 worst, not on 2 (it still
-        # moves by several ms between runs).
-        duration = results[top]["seconds"] * top / results[top]["requests"]
-        seconds, timings = serve_requests(server, steady, top, output_len, temperature,
-                                          **processes, spread=duration)
-        results["steady"] = r = dict(requests=7 * top, **latencies(timings[top:]))
-        print(f"  {top:>11} {r['requests']:>8} {'arrivals spread over a request':>28} "
-              f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} {'':>7} "
-              f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f}", flush=True)
+            table.row(c, "at once", r["requests"], rate, engine_rate, rate / engine_rate,
+                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["offline_ttft_ms"], r["tpot_p50_ms"],
+                      r["tpot_p99_ms"])
+
+        def spread_row(label, some):
+            """The top concurrency, arrivals spread over a request's duration (a steady state),
+            each client's first request left out; eight a client, for a steadier p99."""
+            duration = results[top]["seconds"] * top / results[top]["requests"]
+            _, timings = serve_requests(server, some, top, output_len, temperature, **processes,
+                                        spread=duration)
+            r = dict(requests=7 * top, **latencies(timings[top:]))
+            table.row(top, label, r["requests"], "", "", "", r["ttft_p50_ms"], r["ttft_p99_ms"],
+                      "", r["tpot_p50_ms"], r["tpot_p99_ms"])
+            return r
+
+        results["steady"] = spread_row("spread", steady)
         if prefill_first:  # what it buys: the same once more, prompts packed beside the decodes
             server.wait_idle()
             llm.engine.scheduler.prefill_first = False  # (read by the engine thread each step)
-            steady = random_prompts(cfg.vocab_size, [prompt_len] * (8 * top), seed=1 << 21)
-            seconds, timings = serve_requests(server, steady, top, output_len, temperature,
-                                              **processes, spread=duration)
+            results["steady_mixed"] = spread_row("spread, prefill_first off", random_prompts(
+                cfg.vocab_size, [prompt_len] * (8 * top), seed=1 << 21))
             llm.engine.scheduler.prefill_first = True
-            results["steady_mixed"] = r = dict(requests=7 * top, **latencies(timings[top:]))
-            print(f"  {top:>11} {r['requests']:>8} {'same, prompts beside decodes':>28} "
-                  f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} {'':>7} "
-                  f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f}", flush=True)
         results["engine_alone"] = r = dict(
             requests=len(alone[top]), ttft_p50_ms=percentile(alone[top], 50),
             ttft_p99_ms=percentile(alone[top], 99), low_ttft_p99_ms=percentile(alone[low], 99))
-        print(f"  {top:>11} {r['requests']:>8} {'the engine alone, spread':>28} "
-              f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f}", flush=True)
+        table.row(top, "spread, the engine alone", r["requests"], "", "", "", r["ttft_p50_ms"],
+                  r["ttft_p99_ms"])
     finally:
         clients.shutdown()
         server.shutdown()
@@ -7858,8 +7696,7 @@ def serve_flags(args, llm, port, served_model_name):
 
 
 def http_request(url, method, path, body=None, api_key=None, timeout=60.0):
-    """(status, body bytes) of one request to the server at url, with the standard library's
-    http.client, as any client would send it."""
+    """(status, body bytes) of one request to the server at url, with http.client."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     headers = {"Content-Type": "application/json"}
@@ -7953,6 +7790,7 @@ def main(argv=None):
         stop.wait()
     print("stopping: no new connections; running requests aborted", flush=True)
     server.shutdown()
+
 
 
 # ----------------------------------------------------------------------------------------------
