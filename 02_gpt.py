@@ -878,21 +878,9 @@ def _unicode_classes():
 # The tour
 # ----------------------------------------------------------------------------------------------
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="124M", choices=list(GPT2_SIZES),
-                        help="GPT-2 shape to build (random weights)")
-    parser.add_argument("--vocab", type=int, default=400, help="vocabulary of the BPE trained here")
-    parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
-    parser.add_argument("--seed", type=int, default=123, help="seed of the random weights")
-    args = parser.parse_args()
-    if args.vocab < 257:
-        parser.error(f"--vocab {args.vocab}: needs at least 256 bytes + 1 special token")
-    torch.manual_seed(args.seed)
-    # every file this run reads, fetched before any work: a missing one stops it at once
-    story, _ = fetch([data_entry(name, args.data_dir)
-                      for name in ("the-verdict.txt", "gpt2.tiktoken")])
-
+def show_text_as_numbers(story, args):
+    """Chapter 4: BPE trained here, plain and incremental; GPT-2's BPE from scratch against
+    tiktoken; the first batch of the data loader. Returns the GPT-2 Encoding."""
     print("== 4. Text as numbers ==")
     text = story.read_text(encoding="utf-8")
     t0 = time.time()
@@ -918,7 +906,11 @@ def main():
     x, y = next(iter(loader))
     print(f"{len(token_ids):,} GPT-2 tokens; first batch inputs {tuple(x.shape)}:\n{x}\n"
           f"targets (inputs shifted by one):\n{y}")
+    return ref
 
+
+def show_attention():
+    """Chapter 5: plain self-attention, then the causal weights of a six-word sentence."""
     print("\n== 5. Attention ==")
     words = "Your journey starts with one step".split()
     emb = torch.randn(len(words), 3)                          # (T, C) toy embeddings
@@ -930,17 +922,39 @@ def main():
     for word, row in zip(words, weights):
         print(f"  {word:>8} " + " ".join(f"{w:.2f}" for w in row.tolist()))
 
+
+def show_gpt(size, tokenizer):
+    """Chapter 6: a GPT-2 shape with random weights, its size, and its greedy continuation."""
     print("\n== 6. GPT ==")
-    cfg = GPTConfig.gpt2(args.size)
+    cfg = GPTConfig.gpt2(size)
     model = GPT(cfg).eval()
     n = model.num_params()
-    print(f"GPT-2 {args.size}: {cfg}\n  {n / 1e6:.1f}M parameters "
+    print(f"GPT-2 {size}: {cfg}\n  {n / 1e6:.1f}M parameters "
           f"({model.num_params(non_embedding=True) / 1e6:.1f}M without position embeddings), "
           f"{n * 4 / 2**20:.0f} MiB in float32")
     prompt = "Hello, I am"
-    out = generate_greedy(model, torch.tensor([ref.encode(prompt)]), max_new_tokens=10)
+    out = generate_greedy(model, torch.tensor([tokenizer.encode(prompt)]), max_new_tokens=10)
     print(f"greedy continuation of {prompt!r} from the untrained model: "
-          f"{ref.decode(out[0].tolist())!r}")
+          f"{tokenizer.decode(out[0].tolist())!r}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="124M", choices=list(GPT2_SIZES),
+                        help="GPT-2 shape to build (random weights)")
+    parser.add_argument("--vocab", type=int, default=400, help="vocabulary of the BPE trained here")
+    parser.add_argument("--data-dir", default=None, help="download cache (default: data/)")
+    parser.add_argument("--seed", type=int, default=123, help="seed of the random weights")
+    args = parser.parse_args()
+    if args.vocab < 257:
+        parser.error(f"--vocab {args.vocab}: needs at least 256 bytes + 1 special token")
+    torch.manual_seed(args.seed)
+    # every file this run reads, fetched before any work: a missing one stops it at once
+    story, _ = fetch([data_entry(name, args.data_dir)
+                      for name in ("the-verdict.txt", "gpt2.tiktoken")])
+    tokenizer = show_text_as_numbers(story, args)
+    show_attention()
+    show_gpt(args.size, tokenizer)
 
 
 if __name__ == "__main__":
