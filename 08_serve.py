@@ -7723,7 +7723,10 @@ def sse_events(data):
 
 def demo(args):
     """Without --model: a tiny random Qwen3 served on a free port, a few requests to it over HTTP
-    printed as they come back, then a clean stop."""
+    printed as they come back, then a clean stop. On a CPU the tiny model runs on one thread, as
+    stage 07's demo does: a second gains it nothing, and on a busy machine makes it wait."""
+    if torch.device(args.device).type == "cpu":
+        torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:  # the random model's files, read once and gone
         llm = load_llm(args, random_checkpoint(demo_tokenizer(tmp, args.data_dir), seed=0))
     server = serve_flags(args, llm, args.port or 0, args.served_model_name or "tiny-random-qwen3")
@@ -7790,7 +7793,6 @@ def main(argv=None):
         stop.wait()
     print("stopping: no new connections; running requests aborted", flush=True)
     server.shutdown()
-
 
 
 # ----------------------------------------------------------------------------------------------
