@@ -2001,7 +2001,7 @@ def cuda_graph(fn, *args, pool=None):
     before the capture compiles and autotunes the kernels, which a capture may not do: whatever
     it writes, the first replay writes again. pool: a memory pool shared with other graphs."""
     inputs, device = [x.clone() for x in args], args[0].device
-    side = torch.cuda.Stream(device)  # the run before the capture goes off the main stream
+    side = torch.cuda.Stream(device)  # torch's rule: the warm-up before a capture on a side stream
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         fn(*inputs)
@@ -3330,6 +3330,12 @@ def _is_number(x):
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _need(config, ok, name, what):
+    """A config's check: a ValueError naming the field, its value and the rule it breaks."""
+    if not ok:
+        raise ValueError(f"{type(config).__name__}.{name} = {getattr(config, name)!r}: {what}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops. Checked on construction: a bad value is a
@@ -3355,10 +3361,7 @@ class SamplingParams:
     json_schema: dict | str | None = None  # or be JSON valid against this schema
 
     def __post_init__(self):
-        def need(ok, name, what):
-            if not ok:
-                raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {what}")
-
+        need = functools.partial(_need, self)
         need(self.max_tokens is None or _is_int(self.max_tokens) and self.max_tokens >= 1,
              "max_tokens", "must be a positive int, or None for up to the context limit")
         need(_is_int(self.n) and self.n >= 1, "n", "must be a positive int")
@@ -3859,10 +3862,7 @@ class EngineConfig:
     #                              the server's default: the same outputs
 
     def __post_init__(self):
-        def need(ok, name, what):
-            if not ok:
-                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} {what}")
-
+        need = functools.partial(_need, self)
         need(self.max_model_len is None or _is_int(self.max_model_len) and self.max_model_len >= 2,
              "max_model_len", "must be an int >= 2, or None for the model's context")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -3947,7 +3947,7 @@ class LLM:
         self.tokenizer = tokenizer
         limit = self.model.cfg.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len = {config.max_model_len!r} must be an int from 2 to "
+            raise ValueError(f"max_model_len = {config.max_model_len!r}: must be an int from 2 to "
                              f"the model's max_position_embeddings, {limit}")
         config = dataclasses.replace(config, max_model_len=config.max_model_len or limit)
         self.config = config

@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import functools
 import hashlib
-import inspect
 import json
 import math
 import random
@@ -45,7 +44,7 @@ import pytest
 import requests
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, ROOT, check_bad_flag, load_stage, small_cuda_model
+from conftest import HAS_CUDA, ROOT, check_bad_flag, load_stage, public_names, small_cuda_model
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
                         pre_tokenizers, processors, trainers)
 
@@ -1085,8 +1084,8 @@ def gen64(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-@pytest.mark.parametrize("shape, dtype, tol", [((3, 5, 32), torch.float32, 1e-6),  # rows in registers
-                                               ((4, 1500), torch.float32, 1e-6),  # streamed rows
+@pytest.mark.parametrize("shape, dtype, tol", [((3, 5, 32), torch.float32, 1e-6),  # (B, T, C)
+                                               ((4, 1500), torch.float32, 1e-6),  # masked tail
                                                ((7, 96), torch.float16, 2e-3)])
 def test_rms_norm_kernel(q7, shape, dtype, tol):
     x, w = gen64(*shape, seed=1) * 3 + 0.5, gen64(shape[-1], seed=2)
@@ -2544,10 +2543,10 @@ def test_bad_generate_calls_fail_before_any_work(q7, llm, monkeypatch):
 
 def test_bad_llm_arguments(q7, hf_dir):
     model = q7.load_qwen3(hf_dir[1], device="cpu")
-    with pytest.raises(ValueError, match="max_model_len = 65 must be an int from 2 to the model's "
+    with pytest.raises(ValueError, match="max_model_len = 65: must be an int from 2 to the model's "
                                          "max_position_embeddings, 64"):
         q7.LLM(model, max_model_len=65)
-    with pytest.raises(ValueError, match="max_num_seqs = 0 must be a positive int"):
+    with pytest.raises(ValueError, match="max_num_seqs = 0: must be a positive int"):
         q7.LLM(model, max_num_seqs=0)
     with pytest.raises(ValueError, match="a built Qwen3 is used as it is"):
         q7.LLM(model, device="cpu")
@@ -2562,9 +2561,9 @@ def test_bad_llm_arguments(q7, hf_dir):
     if not HAS_CUDA:
         with pytest.raises(ValueError, match="device cuda: this machine has no CUDA GPU"):
             q7.LLM(hf_dir[1], device="cuda")
-    with pytest.raises(ValueError, match="enforce_eager = 1 must be True or False"):
+    with pytest.raises(ValueError, match="enforce_eager = 1: must be True or False"):
         q7.LLM(model, enforce_eager=1)
-    with pytest.raises(ValueError, match="async_scheduling = 'yes' must be True or False"):
+    with pytest.raises(ValueError, match="async_scheduling = 'yes': must be True or False"):
         q7.LLM(model, async_scheduling="yes")
 
 
@@ -2809,14 +2808,6 @@ PUBLIC_NAMES = {  # part -> its public methods, properties and dataclass fields
 }
 
 
-def public_names(cls):
-    """A class's own public methods and properties, and its dataclass fields."""
-    names = {name for name, value in vars(cls).items() if not name.startswith("_") and (
-        inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod)))}
-    return names | {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) \
-        else names
-
-
 @pytest.mark.parametrize("part", list(PUBLIC_NAMES))
 def test_each_part_keeps_its_public_names(q7, part):
     """The names a reader, stage 08 and the tests use, part by part (ENGINE.md's parts and the
@@ -2957,7 +2948,6 @@ def test_step_reports_each_request_as_it_advances(q7, hf_dir):
 
 
 def leak_freed_blocks(q7, engine, monkeypatch):
-    free = engine.block_manager.free
     monkeypatch.setattr(engine.block_manager, "free", lambda table: table.clear())  # lost
 
 
@@ -3007,13 +2997,13 @@ def test_a_request_larger_than_the_pool_is_refused(q7, hf_dir):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(block_size=12), ValueError, "block_size = 12 must be a power of two"),
-    (dict(block_size=0), ValueError, "block_size = 0 must be a positive int"),
-    (dict(num_kv_blocks=0), ValueError, "num_kv_blocks = 0 must be a positive int or None"),
-    (dict(gpu_memory_utilization=1.5), ValueError, r"gpu_memory_utilization = 1.5 must be in \(0, 1\]"),
-    (dict(max_num_seqs=0), ValueError, "max_num_seqs = 0 must be a positive int"),
-    (dict(max_num_batched_tokens=2.5), ValueError, "max_num_batched_tokens = 2.5 must be a positive int"),
-    (dict(enable_prefix_caching="yes"), ValueError, "enable_prefix_caching = 'yes' must be True or False"),
+    (dict(block_size=12), ValueError, "block_size = 12: must be a power of two"),
+    (dict(block_size=0), ValueError, "block_size = 0: must be a positive int"),
+    (dict(num_kv_blocks=0), ValueError, "num_kv_blocks = 0: must be a positive int or None"),
+    (dict(gpu_memory_utilization=1.5), ValueError, r"gpu_memory_utilization = 1.5: must be in \(0, 1\]"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs = 0: must be a positive int"),
+    (dict(max_num_batched_tokens=2.5), ValueError, "max_num_batched_tokens = 2.5: must be a positive int"),
+    (dict(enable_prefix_caching="yes"), ValueError, "enable_prefix_caching = 'yes': must be True or False"),
     (dict(speculative="ngram"), TypeError, "speculative must be a dict"),
     (dict(speculative={"method": "medusa"}), ValueError, "method = 'medusa' must be 'ngram' or 'draft'"),
     (dict(speculative={"method": "ngram", "k": 3}), ValueError, r"unknown keys \['k'\]"),
