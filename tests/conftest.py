@@ -18,8 +18,10 @@ The rules (a test that cannot fail on the bug it is for is a defect):
 - Each stage's `main()` runs end to end, and the checks it prints are asserted, not just its
   exit status.
 """
+import dataclasses
 import functools
 import importlib.util
+import inspect
 import os
 import pathlib
 import random
@@ -112,6 +114,14 @@ def small_cuda_model(stage, dtype):
             if not name.endswith("norm.weight"):
                 param.mul_(10)
     return model
+
+
+def public_names(cls):
+    """A class's own public methods and properties, and its dataclass fields."""
+    names = {name for name, value in vars(cls).items() if not name.startswith("_") and (
+        inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod)))}
+    return names | {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) \
+        else names
 
 
 def tiny_hf_gpt2(seed=0, n_layer=2, n_head=3, n_embd=48, n_positions=40, vocab_size=97):

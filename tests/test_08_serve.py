@@ -16,12 +16,10 @@ the module on a free loopback port; the tests that need a server of their own (l
 speculation) start one on the spare LLM, one after another, and stop it.
 """
 import contextlib
-import dataclasses
 import functools
 import html.parser
 import http.client
 import http.server
-import inspect
 import json
 import multiprocessing.connection
 import os
@@ -41,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 import pytest
 import torch
-from conftest import ROOT, check_bad_flag, load_stage, small_cuda_model
+from conftest import ROOT, check_bad_flag, load_stage, public_names, small_cuda_model
 
 try:
     import openai
@@ -1357,7 +1355,7 @@ def unchunk(data):
 
 
 def stream_delivery(q8, llm, body, sock, head=b"", interval=0.0, timeout=10.0):
-    """A streamed completion's Job, and its Delivery to `sock`, as Handler.generate makes
+    """A streamed completion's Job, and its Delivery to `sock`, as Handler.serve_generation makes
     them."""
     tokenizer = llm.tokenizer
     request = q8.generation_request(dict(body, prompt="x", stream=True), False, tokenizer,
@@ -2627,14 +2625,6 @@ PUBLIC_NAMES = {  # stage 08's own parts -> their public methods, properties, fi
     "Server": "shutdown wait_idle wait_ready",
     "StepGraphs": "",
 }
-
-
-def public_names(cls):
-    """A class's own public methods and properties, and its dataclass fields."""
-    names = {name for name, value in vars(cls).items() if not name.startswith("_") and (
-        inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod)))}
-    return names | {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) \
-        else names
 
 
 @pytest.mark.parametrize("part", list(PUBLIC_NAMES))
