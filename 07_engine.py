@@ -1325,9 +1325,10 @@ def attention_torch(q, k, v, positions):
 #   al. 2023): kernel 1 runs one chunk's online softmax and writes its normalized partial and
 #   log-sum-exp; kernel 2 merges a head's partials with weights exp(lse_s - lse). The partials
 #   cost 2G / S of the cache's bytes a split.
-# Ragged lengths stay on the device: the grid is sized from max_len, a host bound, and a chunk
-# past its row's end writes an empty partial (lse = -inf). No host sync, so a CUDA graph can hold
-# the launch (a graph passes the cache's length as max_len).
+# Ragged lengths stay on the device: the number of splits comes from max_len, a host bound, and
+# each row cuts its own keys into that many chunks, so a row far shorter than max_len still
+# spreads over every split; a split past its row's end writes an empty partial (lse = -inf). No
+# host sync, so a CUDA graph can hold the launch (a graph passes the longest length allowed).
 
 # Keys a step (BLOCK_N), warps and stages: the usual candidates for a memory-bound loop, autotuned
 # per head size, chunk bucket and dtype.
@@ -1391,24 +1392,26 @@ def _attend_keys(acc, m_i, l_i, q, K, V, BLOCK_TABLES, b, lo, hi, last, qk_scale
 @triton.autotune(configs=_DECODE_CONFIGS, key=["CHUNK_BUCKET", "D", "BLOCK_H", "PAGED", "PAGE"])
 @triton.jit(do_not_specialize=["max_len"])  # a new bound each step, not a new compile
 def _decode_split_kernel(Q, K, V, BLOCK_TABLES, LENGTHS, OUT, O_PART, LSE_PART, qk_scale,
-                         max_len, chunk, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt,
+                         max_len, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt,
                          stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_tb,
-                         CHUNK_BUCKET, GROUP: tl.constexpr, D: tl.constexpr,
+                         CHUNK_BUCKET, ALIGN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                          BLOCK_H: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                          DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """Kernel 1, one program per (row b, kv head, split s): keys [s * chunk, (s + 1) * chunk) of
-    row b, cut at its length, against the GROUP query heads of the kv head. Q (B, Hq, D); K, V
-    (B, Hkv, S, D), or PAGED (chapter 25) pools viewed as (num_blocks, Hkv, PAGE, D) read through
-    BLOCK_TABLES (B, max_blocks) int32 (else None); unit last strides. LENGTHS (B,), clamped to
-    max_len so a wrong one reads nothing past the cache. qk_scale = sm_scale * log2(e). DIRECT (one
-    split): the output to OUT (B, Hq, D); else the partial to O_PART (B, Hq, splits, D) and its
-    base-2 log-sum-exp to LSE_PART (B, Hq, splits), fp32. PDL: see _wait_for_inputs."""
+    row b (chunk: its length / splits, rounded up to whole ALIGN tiles), against the GROUP query
+    heads of the kv head. Q (B, Hq, D); K, V (B, Hkv, S, D), or PAGED (chapter 25) pools viewed
+    as (num_blocks, Hkv, PAGE, D) read through BLOCK_TABLES (B, max_blocks) int32 (else None);
+    unit last strides. LENGTHS (B,), clamped to max_len so a wrong one reads nothing past the
+    cache. qk_scale = sm_scale * log2(e). DIRECT (one split): the output to OUT (B, Hq, D); else
+    the partial to O_PART (B, Hq, splits, D) and its base-2 log-sum-exp to LSE_PART
+    (B, Hq, splits), fp32. PDL: see _wait_for_inputs."""
     _wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     length = tl.minimum(tl.load(LENGTHS + b), max_len)
+    chunk = tl.cdiv(tl.cdiv(length, tl.num_programs(2)), ALIGN) * ALIGN
     lo = split * chunk
     hi = tl.minimum(lo + chunk, length)  # hi <= lo: an empty split, the loop runs no step
     offs_g = tl.arange(0, BLOCK_H)  # the query block: rows 0..GROUP-1 real, the rest padding
@@ -1484,7 +1487,7 @@ def _split_decode(q, k, v, block_tables, lengths, max_len, sm_scale, num_splits)
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     splits = num_splits or decode_splits(B, Hkv, max_len, _num_sms(q.device))
-    chunk = triton.cdiv(triton.cdiv(max_len, splits), _DECODE_ALIGN) * _DECODE_ALIGN
+    chunk = triton.cdiv(triton.cdiv(max_len, splits), _DECODE_ALIGN) * _DECODE_ALIGN  # the longest
     if num_splits is None:
         splits = triton.cdiv(max_len, chunk)  # after rounding up, no split past max_len
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
@@ -1494,9 +1497,10 @@ def _split_decode(q, k, v, block_tables, lengths, max_len, sm_scale, num_splits)
     pdl = _pdl(q.device)
     paged = block_tables is not None
     _decode_split_kernel[(B, Hkv, splits)](
-        q, k, v, block_tables, lengths, out, o_part, lse_part, scale * LOG2E, max_len, chunk,
+        q, k, v, block_tables, lengths, out, o_part, lse_part, scale * LOG2E, max_len,
         *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *out.stride()[:2],
-        block_tables.stride(0) if paged else 0, _seq_bucket(chunk), GROUP=Hq // Hkv, D=D,
+        block_tables.stride(0) if paged else 0, _seq_bucket(chunk), ALIGN=_DECODE_ALIGN,
+        GROUP=Hq // Hkv, D=D,
         BLOCK_H=max(16, triton.next_power_of_2(Hq // Hkv)),  # the group, padded for tl.dot
         PAGED=paged, PAGE=k.shape[2] if paged else 1, DIRECT=splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl)
@@ -2441,6 +2445,9 @@ def forward_packed(model, ids, positions, kv, meta, attention):
     return norm_linear(x, h, model.model.norm, model.output_weight())[0]
 
 
+CAPTURE_KEYS = 512  # the keys of each decode in ModelRunner.warm_up's made-up steps
+
+
 def graph_bucket(batch):
     """The batch size a graph is captured for: 1, 2, 4, 8, then multiples of 8 (vLLM's buckets),
     so that a few graphs serve every batch and padding wastes at most 7 rows."""
@@ -2968,6 +2975,41 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.model, self.kv, self.max_len, self.attention)
                        if graphed else None)
         self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_seqs, max_num_batched_tokens):
+        """Compile, autotune and capture now what a step can need, as vLLM does before it serves,
+        so that the first requests run as fast as later ones. A Triton kernel is tuned on its
+        first call at each key, so each runs here on made-up steps like a busy engine's, every
+        token reading and writing the scratch block only (no sequence's keys change): for each
+        tile size the prefill kernel is tuned for (_seq_bucket of the longest chunk), a step of
+        that many tokens, an eighth of them decodes of CAPTURE_KEYS keys and the rest a prompt
+        (tuned on a prompt alone its tiles come out wide, and a decode's token then fills a
+        sliver of each); then a decode step of each batch bucket up to max_num_seqs, rows of
+        CAPTURE_KEYS keys, its graph captured (largest first: the smaller ones reuse its
+        memory). On a GPU with the kernels; a speculative step's wider buckets are captured when
+        first met. Returns the seconds it took."""
+        if self.device.type != "cuda" or not self.model.kernels:
+            return 0.0
+        start, bs = time.perf_counter(), self.block_size
+        scratch, keys = self.scratch_slot // bs, min(CAPTURE_KEYS, self.max_len)
+        decode = ([0], None, keys - 1, [scratch] * triton.cdiv(keys, bs), 1)
+        sizes = {min(2 ** i, max_num_batched_tokens)
+                 for i in range(7, max(7, max_num_batched_tokens.bit_length()) + 1)}
+        for tokens in sorted(sizes):
+            decodes = max(0, min(tokens // 8, max_num_seqs - triton.cdiv(tokens, self.max_len)))
+            rest = tokens - decodes
+            chunks = [min(self.max_len, rest - at) for at in range(0, rest, self.max_len)]
+            entries = [decode] * decodes + [([0] * n, None, 0, [scratch] * triton.cdiv(n, bs), 1)
+                                            for n in chunks]
+            if len(entries) <= max_num_seqs:  # (more: a step the scheduler never makes)
+                self.run(entries)
+        if self.graphs is not None:
+            for batch in sorted({graph_bucket(b) for b in range(1, max_num_seqs + 1)},
+                                reverse=True):
+                self.run([decode] * batch)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     @torch.inference_mode()
     def launch(self, batch, previous=None):
@@ -3842,6 +3884,10 @@ class LLM:
         runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_model_len,
                              config.enforce_eager)
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.warm_up_seconds = runner.warm_up(config.max_num_seqs, config.max_num_batched_tokens)
+        if self.warm_up_seconds:
+            LOG.info("warm-up (kernels compiled and tuned, CUDA graphs captured): %.1f s",
+                     self.warm_up_seconds)
         self.engine = LLMEngine(runner, blocks, config, eos_token_ids=eos_token_ids,
                                 tokenizer=tokenizer, speculator=speculator)
 

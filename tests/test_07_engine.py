@@ -1221,6 +1221,8 @@ DECODE_CASES = {  # name -> B, Hq, Hkv, D, S, lengths, num_splits, dtype, query 
     # 8 splits of 16 keys over 37: the last five are empty for every row
     "gqa4-8-splits": (2, 8, 2, 64, 37, [37, 5], 8, torch.float16, 1.0),
     "16/8-bf16": (2, 16, 8, 128, 50, [50, 2], 2, torch.bfloat16, 1.0),
+    # rows far shorter than S cut into 4 chunks of their own: 70 keys as 32 + 32 + 6 + nothing
+    "short-rows-4-splits": (3, 4, 2, 64, 200, [200, 70, 33], 4, torch.float32, 1.0),
     "gqa16-1-split": (1, 16, 1, 64, 20, [20], 1, torch.float32, 1.0),
 }
 
@@ -1553,6 +1555,38 @@ def test_forward_packed_matches_the_model_path(q7, hf_dir, monkeypatch, rows, mi
 def test_graph_buckets(q7):
     assert [q7.graph_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 100)] == \
         [1, 2, 4, 4, 8, 8, 16, 16, 24, 104]
+
+
+def test_warm_up_makes_the_steps_a_first_request_would_wait_for(q7, monkeypatch):
+    """warm_up's made-up steps, recorded on the CPU in place of the run: one a prefill tile size
+    (128, 256, 512, then the budget), of that many tokens, an eighth of them decodes of
+    CAPTURE_KEYS keys (cut to max_len) within max_num_seqs, the rest prompt chunks of at most
+    max_len; then a decode step a batch bucket, largest first; every token in the scratch
+    block. On the CPU there is nothing to do."""
+    model = q7.random_model(q7.Qwen3Config.tiny(), torch.device("cpu"), torch.float32)
+    runner = q7.ModelRunner(model, 64, 16, 256)
+    assert runner.warm_up(8, 1000) == 0.0
+    steps = []
+    runner.graphs = object()  # (only whether there are graphs matters)
+    monkeypatch.setattr(runner, "run", steps.append)
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(model, "kernels", True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    runner.warm_up(8, 1000)
+    sizes = [128, 256, 512, 1000]
+    assert [sum(len(e[0]) for e in entries) for entries in steps[:4]] == sizes
+    scratch = runner.scratch_slot // 16
+    for tokens, entries in zip(sizes, steps):
+        decodes = [e for e in entries if len(e[0]) == 1]
+        assert len(decodes) == min(tokens // 8, 8 - -(-tokens // 256)) and len(entries) <= 8
+        assert all(start == 255 for _, _, start, _, _ in decodes)
+        for ids, _, start, table, _ in entries:
+            assert start + len(ids) <= 256 and set(table) == {scratch}
+            assert len(table) * 16 >= start + len(ids)
+    assert [len(entries) for entries in steps[4:]] == [8, 4, 2, 1]
+    for entries in steps[4:]:
+        assert all(ids == [0] and start == 255 and set(table) == {scratch}
+                   for ids, _, start, table, _ in entries)
 
 
 # ------------------------------------------------------------------------------ generation
@@ -2787,7 +2821,7 @@ PUBLIC_NAMES = {  # part -> its public methods, properties and dataclass fields
         "prefix_hit_rate reset_prefix_cache reset_stats verify"),
     "Scheduler": "enqueue finish has_work preempt register_computed schedule update",
     "StepHandle": "wait",
-    "ModelRunner": "launch logprobs_lists run sampling_batch",
+    "ModelRunner": "launch logprobs_lists run sampling_batch warm_up",
     "SamplingParams": (
         "choice frequency_penalty has_penalties ignore_eos json_schema logprobs max_tokens "
         "min_p n presence_penalty regex repetition_penalty seed stop stop_token_ids temperature "
@@ -4097,6 +4131,25 @@ def test_gpu_engine_with_graphs_equals_enforce_eager(q7):
                 assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
                 assert [o.outputs[0].logprobs for o in ours] == [o.outputs[0].logprobs for o in theirs]
     assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_warm_up_leaves_nothing_for_the_first_requests(q7):
+    """LLM() compiles, tunes and captures what its steps need: a graph per decode batch bucket
+    before any request, and then prompts short and long, in chunks beside decodes, at every
+    batch size, add no graph and no tuned kernel configuration."""
+    model = small_cuda_model(q7, torch.bfloat16)
+    kernels = (q7._paged_prefill_kernel, q7._decode_split_kernel, q7._matvec_kernel)
+    llm = q7.LLM(model, max_num_seqs=5, num_kv_blocks=128, max_num_batched_tokens=300)
+    graphs = llm.engine.runner.graphs.graphs
+    assert sorted(graphs) == [1, 2, 4, 8] and llm.warm_up_seconds > 0
+    tuned = [dict(kernel.cache) for kernel in kernels]
+    prompts = [random_ids(n, vocab=1000, seed=n) for n in (5, 250, 17, 400, 2, 90, 140)]
+    llm.generate(prompts, [q7.SamplingParams(max_tokens=1 + 9 * i, ignore_eos=True)
+                           for i in range(len(prompts))])
+    assert sorted(graphs) == [1, 2, 4, 8]
+    assert [dict(kernel.cache) for kernel in kernels] == tuned
 
 
 @pytest.mark.gpu

@@ -2511,23 +2511,25 @@ def test_random_engines_give_the_plain_engines_outputs(q8, checkpoint, reference
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch):
-    """capture_graphs' made-up steps, recorded on the CPU in place of the graphed run: one a
-    tokens bucket up to the budget, of the bucket's tokens exactly, not decode-shaped, within
-    the graphs' sequences, with as many decodes as those allow up to an eighth of the tokens,
-    and every token in the scratch block; none for a bucket captured already. Without graphs
-    (the CPU) there is nothing to do."""
-    assert reference.capture_graphs() == 0
+def test_warm_up_makes_a_step_for_every_bucket(q8, reference, monkeypatch):
+    """warm_up's made-up steps, recorded on the CPU in place of the graphed run: one a tokens
+    bucket up to the budget, of the bucket's tokens exactly, not decode-shaped, within the
+    graphs' sequences, with as many decodes as those allow up to an eighth of the tokens; then a
+    decode step a batch bucket, largest first; every token in the scratch block. Without graphs
+    and kernels (the CPU) there is nothing to do."""
+    assert reference.warm_up_seconds == 0.0
     model = q8.random_model(q8.Qwen3Config.tiny(), torch.device("cpu"), torch.float32)
     runner = q8.ModelRunner(model, 64, 16, 256, max_num_seqs=8)
-    assert runner.capture_step_graphs(1000) == 0
+    assert runner.warm_up(8, 1000) == 0.0
     steps = []
     runner.graphs = types.SimpleNamespace(rows=8, graphs={})
     monkeypatch.setattr(runner, "run", steps.append)
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(model, "kernels", True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    runner.capture_step_graphs(1000)
+    runner.warm_up(8, 1000)
     buckets = sorted({q8.token_bucket(n) for n in range(2, 1001)})
-    assert [sum(len(e[0]) for e in entries) for entries in steps] == buckets
+    assert [sum(len(e[0]) for e in entries) for entries in steps[:len(buckets)]] == buckets
     scratch = runner.scratch_slot // 16
     for tokens, entries in zip(buckets, steps):
         assert len(entries) <= 8 and any(len(e[0]) > 1 for e in entries)
@@ -2536,9 +2538,10 @@ def test_capture_graphs_makes_a_step_for_every_bucket(q8, reference, monkeypatch
         for ids, _, start, table, _ in entries:
             assert start + len(ids) <= 256 and set(table) == {scratch}
             assert len(table) * 16 >= start + len(ids)
-    runner.graphs.graphs = {(tokens, False): None for tokens in buckets}
-    runner.capture_step_graphs(1000)  # (the server's, after the bench's): each is captured already
-    assert len(steps) == len(buckets)
+    assert [len(entries) for entries in steps[len(buckets):]] == [8, 4, 2, 1]
+    for entries in steps[len(buckets):]:
+        assert all(ids == [0] and start == 255 and set(table) == {scratch}
+                   for ids, _, start, table, _ in entries)
 
 
 def close(a, b, tol=1e-4):
@@ -2585,7 +2588,7 @@ def test_gpu_mixed_step_graphs_equal_eager(q8):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_gpu_engine_with_mixed_graphs_equals_enforce_eager(q8):
-    """LLM.generate with graphs of every step, captured ahead (capture_graphs), against
+    """LLM.generate with graphs of every step, captured ahead (ModelRunner.warm_up), against
     enforce_eager (float32), with a token budget of 40 a step, so that prompts go in chunks
     beside the others' decodes: the same greedy tokens, logprobs within rounding."""
     model = small_cuda_model(q8, torch.float32)
@@ -2594,7 +2597,8 @@ def test_gpu_engine_with_mixed_graphs_equals_enforce_eager(q8):
     params = q8.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     llms = [q8.LLM(model, max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=40,
                    enforce_eager=eager) for eager in (False, True)]
-    assert llms[0].capture_graphs() == 4 and llms[1].capture_graphs() == 0  # 16, 24, 32, 48
+    assert sorted(llms[0].engine.runner.graphs.graphs) == [  # captured in LLM(), ahead
+        (1, True), (2, True), (4, True), (16, False), (24, False), (32, False), (48, False)]
     outputs = [[r.outputs[0] for r in llm.generate(prompts, params)] for llm in llms]
     for ours, theirs in zip(*outputs):
         assert ours.token_ids == theirs.token_ids

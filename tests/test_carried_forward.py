@@ -331,15 +331,15 @@ CHANGED = {
            for name in ("main", "parse_args", "check_args")},
         # a server's steps that are not decodes replay CUDA graphs too: the prefill kernel's
         # grid from the packed tokens, the forward that stops before the output layer, the
-        # runner's graphs of every step, captured ahead (LLM.capture_graphs)
+        # runner's graphs of every step, captured ahead (ModelRunner.warm_up)
         **{name: ["test_08_serve.py::test_paged_prefill_tiles_come_from_the_packed_tokens"]
            for name in ("_paged_prefill_kernel", "paged_prefill_attention")},
         "forward_packed": ["test_08_serve.py::test_completions_equal_the_engines_greedy_outputs",
                            "test_08_serve.py::test_gpu_mixed_step_graphs_equal_eager"],
-        "ModelRunner": ["test_08_serve.py::test_capture_graphs_makes_a_step_for_every_bucket",
+        "ModelRunner": ["test_08_serve.py::test_warm_up_makes_a_step_for_every_bucket",
                         "test_08_serve.py::test_gpu_mixed_step_graphs_equal_eager",
                         "test_08_serve.py::test_gpu_engine_with_mixed_graphs_equals_enforce_eager"],
-        "LLM": ["test_08_serve.py::test_capture_graphs_makes_a_step_for_every_bucket",
+        "LLM": ["test_08_serve.py::test_warm_up_makes_a_step_for_every_bucket",
                 "test_08_serve.py::test_gpu_engine_with_mixed_graphs_equals_enforce_eager",
                 "test_08_serve.py::test_prefill_first_runs_prompts_alone"],
         # prefill_first: a step with prompt tokens to run runs those only (the server's default)
