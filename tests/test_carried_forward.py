@@ -118,7 +118,8 @@ def test_asking_for_cuda_without_a_gpu(stage, monkeypatch, capsys):
     assert "this machine has no CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["01_tensors", "02_gpt", *STAGES, "07_engine", "08_serve"])
+@pytest.mark.parametrize("name", ["01_tensors", "02_gpt", *STAGES, "07_engine", "08_serve",
+                                  "09_quant_lora"])
 def test_every_flag_has_help(name, monkeypatch, capsys):
     """`--help` of every stage says what each flag does."""
     stage, flags = load_stage(name), []
@@ -243,6 +244,9 @@ def test_the_script_reports_a_bad_file_in_one_line(tmp_path):
 
 CHAIN = ["02_gpt", "03_train", "04_cuda_kernels", "05_triton", "06_flash_attention", "07_engine",
          "08_serve"]
+# (stage, the stage it starts from): each of CHAIN from the one before; 09 from 07, not 08 (08's
+# server is a stage of its own, 09 carries 07's slim core)
+PAIRS = [*zip(CHAIN, CHAIN[1:]), ("07_engine", "09_quant_lora")]
 # stage -> {name: tests (file::function) that check that stage's changed version}
 CHANGED = {
     "03_train": {
@@ -347,6 +351,37 @@ CHANGED = {
                   "test_08_serve.py::test_prefill_first_never_stalls_on_a_prompt_without_blocks"]
            for name in ("Scheduler", "EngineConfig")},
     },
+    "09_quant_lora": {  # from 07_engine (PAIRS)
+        # the command line: the chapters on a small model trained here, --model, GGUF in and out
+        **{name: ["test_09_quant_lora.py::test_main_on_the_cpu",
+                  "test_09_quant_lora.py::test_a_bad_flag_stops_main_before_any_work",
+                  "test_09_quant_lora.py::test_a_models_config_is_checked_before_its_weights",
+                  "test_09_quant_lora.py::test_main_writes_a_gguf_file_and_generates_from_it",
+                  "test_09_quant_lora.py::test_main_with_a_model_directory_and_a_gptq_checkpoint"]
+           for name in ("main", "parse_args", "check_args")},
+        "run_benches": ["GPU only: run by --bench",
+                        "test_09_quant_lora.py::test_bench_without_a_gpu_prints_one_line"],
+        # GPTQ and AWQ checkpoints onto the quantized twins; integer tensors read as stored
+        **{name: ["test_09_quant_lora.py::test_load_qwen3_reads_gptq_and_awq_checkpoints",
+                  "test_09_quant_lora.py::test_a_bad_quantization_config_names_the_file_and_field",
+                  "test_09_quant_lora.py::test_a_broken_checkpoint_is_named",
+                  "test_09_quant_lora.py::test_load_qwen3_still_loads_a_float_checkpoint"]
+           for name in ("load_qwen3", "read_weights")},
+        # engine v1 samples plain tokens: no n, stop strings, logprobs or structured output
+        **{name: ["test_09_quant_lora.py::test_engine_v1_greedy_equals_full_recomputation",
+                  "test_09_quant_lora.py::test_sampler_draws_what_its_parameters_say",
+                  "test_09_quant_lora.py::test_sampling_params_are_checked_and_plain"]
+           for name in ("generate", "_check_v1_request", "SamplingParams", "SamplingBatch",
+                        "Sampler")},
+        # a quantized layer's weights are buffers
+        "bytes_per_step": ["test_09_quant_lora.py::test_bytes_per_step_counts_quantized_buffers"],
+        # the-verdict.txt again: the quality section trains on it
+        "DATA_FILES": ["test_09_quant_lora.py::test_the_verdict_is_a_checked_data_file"],
+        # main's model is trained, not random (its docstring)
+        "demo_tokenizer": [
+            "test_09_quant_lora.py::test_a_tokenizer_read_back_from_gguf_encodes_alike",
+            "test_09_quant_lora.py::test_main_on_the_cpu"],
+    },
 }
 
 
@@ -373,7 +408,7 @@ def top_level_definitions(stage_name):
     return found
 
 
-@pytest.mark.parametrize("stage_name", CHAIN)
+@pytest.mark.parametrize("stage_name", [*CHAIN, "09_quant_lora"])
 def test_change_markers_name_their_own_stage(stage_name):
     """A marker says which stage made the change. From stage 08 on, a stage keeps the markers it
     copies (so that its diff against the one before shows its own lesson only); before, a stage
@@ -387,7 +422,7 @@ def test_change_markers_name_their_own_stage(stage_name):
     assert not re.search(r"# changed(?! in \d\d)\b", source), "an unnumbered change marker"
 
 
-@pytest.mark.parametrize("before, after", list(zip(CHAIN, CHAIN[1:])))
+@pytest.mark.parametrize("before, after", PAIRS)
 def test_inherited_definitions_are_copies(before, after):
     old, new = top_level_definitions(before), top_level_definitions(after)
     changed = sorted(name for name in old.keys() & new.keys() if old[name] != new[name])
@@ -403,7 +438,7 @@ def test_inherited_definitions_are_copies(before, after):
                              re.MULTILINE), f"{after}.{name}: no test {test}"
 
 
-@pytest.mark.parametrize("stage_name", ["07_engine", "08_serve"])
+@pytest.mark.parametrize("stage_name", ["07_engine", "08_serve", "09_quant_lora"])
 def test_one_name_a_role(stage_name):
     """No method name is defined by two classes of an engine stage unless one overrides it: a
     name shared by unrelated classes (an engine's advance and a grammar's advance) loses the
