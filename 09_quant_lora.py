@@ -1,7 +1,9 @@
-"""Stage 09, part 1: quantization (book chapters 20, 38 and 39). Weights in 8 and 4 bits on
-Triton kernels of their own, rounded to nearest or placed by GPTQ and AWQ; activations in 8 bits
-too, after SmoothQuant; GPTQ and AWQ checkpoints from the Hugging Face Hub; llama.cpp's GGUF
-files, read and written. Part 2, fine-tuning with LoRA and QLoRA, comes later.
+"""Stage 09: quantization and adapters (book chapters 20, 22, 38 and 39). Weights in 8 and 4 bits
+on Triton kernels of their own, rounded to nearest or placed by GPTQ and AWQ; activations in 8
+bits too, after SmoothQuant; GPTQ and AWQ checkpoints from the Hugging Face Hub; llama.cpp's GGUF
+files, read and written; LoRA adapters in PEFT's file layout, and QLoRA's frozen base in 4-bit
+NormalFloat. Fine-tuning itself (chapter 21: a classifier, instructions) and its bench come
+next.
 
     python 09_quant_lora.py              # a small Qwen3 trained here, then every chapter on it
     python 09_quant_lora.py --model Qwen/Qwen3-0.6B --method gptq --prompt "Why is the sky blue?"
@@ -11,12 +13,15 @@ files, read and written. Part 2, fine-tuning with LoRA and QLoRA, comes later.
 
 It prints the quantized layers on their kernels against their torch twins, a quality table
 (held-out perplexity and each layer's output error for int8, int4, GPTQ, AWQ, W8A8 and
-SmoothQuant), GGUF files written and read back, and --prompt continued by the int4 model.
+SmoothQuant), GGUF files written and read back, LoRA and an NF4 base on the model, and --prompt
+continued by the int4 model.
 
 New since stage 07: chapter 20's int8 and int4 formats, their matrix-vector and matrix-matrix
 kernels and W8A8's, the twin layers that replace a model's nn.Linear (Int8Linear, Int4Linear,
 W8A8Linear), GPTQ, AWQ and SmoothQuant with their calibration; chapter 39's GPTQ and AWQ
-checkpoints; chapter 38's GGUF; a quality section that trains a small Qwen3. Changed: load_qwen3
+checkpoints; chapter 38's GGUF; chapter 22's LoRALinear (apply_lora, merge_lora, save_adapter,
+load_adapter) and NF4 (nf4_quantize, its dequantize kernel, NF4Linear); a quality section that
+trains a small Qwen3. Changed: load_qwen3
 (and read_weights) load GPTQ and AWQ checkpoints onto the twin layers; SamplingParams,
 SamplingBatch, Sampler, generate and its checks sample plain tokens (structured output and
 logprobs were the engine's); bytes_per_step counts a quantized layer's buffers; DATA_FILES holds
@@ -39,6 +44,8 @@ Read top to bottom. Each line: chapter, section, and the definitions to read fir
             and the twin layers                          int8_w8a8_matmul, Int4Linear
     20      calibration, GPTQ, AWQ, SmoothQuant          gptq_quantize, awq_search,
                                                          smoothquant_model
+    22      LoRA: adapters, merged, in PEFT's files      LoRALinear, apply_lora, save_adapter
+    22      QLoRA's base: NF4, double quantization       nf4_quantize, NF4Linear
     39      GPTQ and AWQ checkpoints, through load_qwen3 quantization_config, checkpoint_twin
     38      GGUF: the blocks, reading, writing, qwen3    ggml_quantize, read_gguf, qwen3_to_gguf
             quality: a small Qwen3 trained here          train_small_qwen3, quality_table
@@ -2735,14 +2742,21 @@ def quantize_model(model, method="int4", group_size=128, symmetric=False):
         raise ValueError(f"quantize_model: method {method!r} is not one of {sorted(builders)}")
     if method == "int4":
         _check_group_size(group_size)
+    return replace_block_linears(model, builders[method], "quantize_model")
+
+
+def replace_block_linears(model, build, fn):
+    """Replace every nn.Linear inside the model's blocks by build(linear), in place, each twin
+    taking the model's choice of kernels; an error names the layer (and fn, the caller).
+    Returns the model."""
     for i, block in enumerate(model.model.layers):
         for name, module in list(block.named_modules()):
             if type(module) is not nn.Linear:  # exactly nn.Linear: not a twin already
                 continue
             try:
-                replace_linear(block, name, builders[method](module), model.kernels)
-            except ValueError as err:
-                raise ValueError(f"quantize_model: model.layers.{i}.{name}: {err}") from err
+                replace_linear(block, name, build(module), model.kernels)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{fn}: model.layers.{i}.{name}: {err}") from err
     return model
 
 
@@ -3269,6 +3283,626 @@ def smoothquant_model(model, batches, alpha=0.5):
                       for name, fold in _smooth_block(block, scales_of).items()})
     quantize_model(model, "w8a8")
     return folds
+
+
+# ------------------------------------------------------------------------------------------------
+# Chapter 22. LoRA: low-rank adapters (Hu et al., 2021)
+# ------------------------------------------------------------------------------------------------
+# NEW in stage 09, part 2. Fine-tuning moves a weight W (N, K) by some dW. LoRA bets that dW has
+# low rank and writes it as B A, with A (r, K) and B (N, r), r << min(N, K): the layer computes
+#     y = x W^T + (alpha / r) * x A^T B^T,
+# W frozen, only A and B trained: r (N + K) numbers a layer instead of N K. B starts at zero, so
+# the adapted model starts as the base model exactly; A starts random (kaiming-uniform, a = sqrt(5),
+# nn.Linear's own init and PEFT's default), or B's gradient, x A^T, would be zero too. alpha / r
+# keeps the update's size roughly steady as r changes, so a learning rate tuned at one rank carries
+# over. Dropout acts on the input of A only: the frozen path sees x as it is.
+#
+# LoRALinear is one more twin (05, 20.6): it stands where the nn.Linear was and calls it, so the
+# base can as well be a quantized twin (QLoRA: the base in 4 bits, the adapters in float). After
+# training, B A folds into W (merge): the adapted model is again a plain model, no slower than the
+# base. The adapter alone is saved in PEFT's layout, which `peft` and other tools read.
+
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_PREFIX = "base_model.model."  # PeftModel.base_model (a LoraModel), .model (transformers')
+
+
+class LoRALinear(nn.Module):
+    """base(x) + B(A(dropout(x))) * alpha / r, base frozen. base: an nn.Linear (no bias) or one of
+    20.6's quantized twins. The adapter's parameters take the base's float dtype and device."""
+
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        N, K = base.out_features, base.in_features
+        _check_lora(r, alpha, dropout, N, K)
+        like = next(t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point())
+        # (the name base_layer is PEFT's: the state dict reads the same in both)
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.Linear(K, r, bias=False, device=like.device, dtype=like.dtype)  # (r, K)
+        self.lora_B = nn.Linear(r, N, bias=False, device=like.device, dtype=like.dtype)  # (N, r)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.r, self.alpha, self.scale = r, alpha, alpha / r
+        self.in_features, self.out_features = K, N
+        self.merged = False
+
+    def forward(self, x):  # x (..., K) -> (..., N)
+        y = self.base_layer(x)
+        if self.merged:  # B A is inside W already
+            return y
+        a = self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))  # (..., r)
+        return y + (self.lora_B(a) * self.scale).to(y.dtype)
+
+    def delta_weight(self):
+        """scale * B A, (N, K), computed in float32 and returned in the base weight's dtype."""
+        dw = self.lora_B.weight.float() @ self.lora_A.weight.float()  # (N, r) @ (r, K)
+        return (dw * self.scale).to(self._float_base("delta_weight").weight.dtype)
+
+    @torch.no_grad()
+    def merge(self):
+        """W += scale * B A: then forward is one matmul. Exact up to rounding of the sum."""
+        if not self.merged:
+            self._float_base("merge").weight += self.delta_weight()
+            self.merged = True
+        return self
+
+    @torch.no_grad()
+    def unmerge(self):
+        """W -= scale * B A, to go on training (W comes back up to rounding of the difference)."""
+        if self.merged:
+            self._float_base("unmerge").weight -= self.delta_weight()
+            self.merged = False
+        return self
+
+    def _float_base(self, what):
+        if type(self.base_layer) is not nn.Linear:
+            raise TypeError(
+                f"LoRALinear.{what}: the base is {type(self.base_layer).__name__}, quantized; B A "
+                f"cannot be added to its codes without rounding the adapter away. QLoRA merges by "
+                f"dequantizing: nn.Linear with weight base.dequantize(), then merge (and quantize "
+                f"again if wanted)")
+        return self.base_layer
+
+    def extra_repr(self):
+        return f"r={self.r}, alpha={self.alpha}, merged={self.merged}"
+
+
+def _check_lora(r, alpha, dropout, N, K):
+    """LoRALinear's arguments for a base of N outputs and K inputs."""
+    if not _is_int(r) or not 1 <= r <= min(N, K):
+        raise ValueError(f"LoRALinear: rank {r!r} must be an integer from 1 to "
+                         f"min(out, in) = {min(N, K)}: a higher rank adds nothing a full "
+                         f"update of this ({N}, {K}) layer would not")
+    if not _is_number(alpha) or alpha <= 0:
+        raise ValueError(f"LoRALinear: alpha {alpha!r} must be a positive number")
+    if not _is_number(dropout) or not 0 <= dropout < 1:
+        raise ValueError(f"LoRALinear: dropout {dropout!r} must be in [0, 1)")
+
+
+def _block_linears(model):
+    """{path: layer} for every linear inside the blocks, nn.Linear or quantized twin, e.g.
+    "model.layers.0.self_attn.q_proj": the checkpoint's (and so PEFT's) module paths."""
+    found = {}
+    for i, block in enumerate(model.model.layers):
+        for name, m in block.named_modules():
+            inside = name.rpartition(".")[0]  # an adapter's own A, B and base are not targets
+            if (isinstance(m, (nn.Linear, _QuantizedLinear, LoRALinear))
+                    and not isinstance(block.get_submodule(inside), LoRALinear)):
+                found[f"model.layers.{i}.{name}"] = m
+    return found
+
+
+def _targets(model, target_modules, fn):
+    """The module paths that target_modules selects: "all-linear", or names matched as PEFT
+    matches a list, a path equal to the name or ending in "." + name ("q_proj" picks every
+    block's; "model.layers.0.self_attn.q_proj", as PEFT 0.22 saves "all-linear", one)."""
+    linears = _block_linears(model)
+    known = sorted({path.rpartition(".")[2] for path in linears})
+    if isinstance(target_modules, str):
+        target_modules = known if target_modules == "all-linear" else [target_modules]
+    names = list(target_modules)
+
+    def picks(path, name):
+        return path == name or path.endswith("." + name)
+    unknown = [name for name in names if not any(picks(path, name) for path in linears)]
+    if not names or unknown:
+        raise ValueError(f"{fn}: target modules {unknown or names!r} are not among the blocks' "
+                         f"linears {known} (or \"all-linear\")")
+    return [path for path in linears if any(picks(path, name) for name in names)]
+
+
+def apply_lora(model, r, alpha, target_modules, dropout=0.0):
+    """Wrap the blocks' linears named by target_modules ("q_proj", "v_proj", ..., or
+    "all-linear") in LoRALinear, in place; freeze every other parameter. Returns the model."""
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("apply_lora: the model has adapters already (merge_lora first)")
+    paths = _targets(model, target_modules, "apply_lora")
+    for path in paths:  # all checked before the model changes
+        base = model.get_submodule(path)
+        try:
+            _check_lora(r, alpha, dropout, base.out_features, base.in_features)
+        except ValueError as err:
+            raise ValueError(f"apply_lora: {path}: {err}") from err
+    model.requires_grad_(False)
+    for path in paths:
+        owner, _, child = path.rpartition(".")
+        setattr(model.get_submodule(owner), child,
+                LoRALinear(model.get_submodule(path), r, alpha, dropout))
+    return model
+
+
+def lora_layers(model):
+    """{module path: LoRALinear} of the model, in the model's order."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_lora(model):
+    """Fold every adapter into its base weight and put the base back in its place: a plain model
+    again, as fast as the base (its weights stay frozen). Returns the model."""
+    for path, layer in lora_layers(model).items():
+        layer.merge()
+        owner, _, child = path.rpartition(".")
+        setattr(model.get_submodule(owner), child, layer.base_layer)
+    return model
+
+
+def trainable_parameters(model):
+    """(trainable, total) parameter counts. A quantized twin's weight is a buffer of codes; it
+    counts as the N K weights it stands for, so the total is the model's whichever its format."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    total += sum(m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, _QuantizedLinear))
+    return trainable, total
+
+
+def trainable_summary(model):
+    """"trainable: 1.2M of 596M (0.20%)"."""
+    def count(n):
+        return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
+    trainable, total = trainable_parameters(model)
+    return f"trainable: {count(trainable)} of {count(total)} ({100 * trainable / total:.2f}%)"
+
+
+# ------------------------------------------------------------------------------------------------
+# 22.2 The adapter file, in PEFT's layout
+# ------------------------------------------------------------------------------------------------
+# A PeftModel wraps the transformers model twice (PeftModel.base_model is a LoraModel, whose .model
+# is the transformers model), so its saved keys are "base_model.model." + the module's path in the
+# transformers model + ".lora_A.weight" (A, (r, K)) or ".lora_B.weight" (B, (N, r)), the adapter's
+# name ("default") dropped. The stage's module paths are the checkpoint's, so they are the same.
+# adapter_config.json holds LoraConfig's fields; the ones this stage does not implement (rsLoRA's
+# alpha / sqrt(r), DoRA, per-layer ranks, biases) must be off, or load_adapter refuses the file.
+
+def save_adapter(model, folder, base_model_name_or_path=None):
+    """Write the model's adapters (not its weights) to folder: adapter_model.safetensors and
+    adapter_config.json, as peft's save_pretrained does. Returns the folder."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("save_adapter: the model has no adapters (apply_lora first)")
+    if any(layer.merged for layer in layers.values()):
+        raise ValueError("save_adapter: some adapters are merged into their weights; unmerge "
+                         "them first, or the file would hold them twice over once loaded")
+    settings = {(layer.r, layer.alpha, getattr(layer.dropout, "p", 0.0))
+                for layer in layers.values()}
+    if len(settings) != 1:
+        raise ValueError(f"save_adapter: one rank, alpha and dropout for every adapter, "
+                         f"found {sorted(settings)}")
+    (r, alpha, dropout), = settings
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, layer in layers.items():
+        tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = layer.lora_A.weight.detach().contiguous()
+        tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = layer.lora_B.weight.detach().contiguous()
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = dict(
+        peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
+        r=r, lora_alpha=alpha, lora_dropout=dropout,
+        target_modules=sorted({path.rpartition(".")[2] for path in layers}),
+        bias="none", fan_in_fan_out=False, use_rslora=False, use_dora=False,
+        init_lora_weights=True, inference_mode=True, modules_to_save=None,
+        layers_to_transform=None, layers_pattern=None, rank_pattern={}, alpha_pattern={},
+        revision=None)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def _adapter_config(path):
+    """adapter_config.json's r, lora_alpha, lora_dropout, target_modules, checked."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; an adapter folder holds {ADAPTER_CONFIG} and "
+                        f"{ADAPTER_WEIGHTS} (save_adapter, or peft's save_pretrained, writes them)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: not a JSON object")
+    off = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+           "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
+           "modules_to_save": None, "lora_bias": False, "exclude_modules": None,
+           "target_parameters": None, "layer_replication": None, "use_qalora": False}
+    for field, want in off.items():
+        got = config.get(field, want if field != "peft_type" else None)
+        if got != want and not (want in (None, {}) and not got):
+            raise DataError(f"{path}: {field} is {got!r}; this stage reads LoRA adapters with "
+                            f"{field} {want!r} only")
+    r, alpha, dropout = (config.get(k) for k in ("r", "lora_alpha", "lora_dropout"))
+    if not _is_int(r) or r < 1:
+        raise DataError(f"{path}: r is {r!r}, expected a positive integer")
+    if not _is_number(alpha) or alpha <= 0:
+        raise DataError(f"{path}: lora_alpha is {alpha!r}, expected a positive number")
+    if not _is_number(dropout) or not 0 <= dropout < 1:
+        raise DataError(f"{path}: lora_dropout is {dropout!r}, expected a number in [0, 1)")
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        raise DataError(f"{path}: target_modules is the pattern {targets!r}; this stage reads a "
+                        f"list of module names (or \"all-linear\")")
+    if not (targets == "all-linear" or isinstance(targets, list) and targets
+            and all(isinstance(t, str) for t in targets)):
+        raise DataError(f"{path}: target_modules is {targets!r}, expected a list of names")
+    return r, alpha, dropout, targets
+
+
+def load_adapter(model, folder):
+    """Apply the adapter in folder (save_adapter's, or peft's save_pretrained's) to the model: its
+    config and every tensor checked against the model before anything changes. A model that has
+    adapters already must have them with the same rank and targets; they are overwritten.
+    Returns the model."""
+    folder = Path(folder)
+    cfg_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    r, alpha, dropout, targets = _adapter_config(cfg_path)
+    try:
+        paths = _targets(model, targets, "load_adapter")
+    except ValueError as err:
+        raise DataError(f"{cfg_path}: target_modules: {err}") from err
+    with _open_safetensors(weights_path) as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    linears = _block_linears(model)
+    expected = {}
+    for path in paths:
+        N, K = linears[path].out_features, linears[path].in_features
+        expected[f"{PEFT_PREFIX}{path}.lora_A.weight"] = (r, K)
+        expected[f"{PEFT_PREFIX}{path}.lora_B.weight"] = (N, r)
+    missing, extra = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected)
+    if missing or extra:
+        raise DataError(f"{weights_path}: does not match target_modules {targets} of "
+                        f"{cfg_path.name} on this model: missing {missing[:3]}, "
+                        f"unexpected {extra[:3]}")
+    for key, shape in expected.items():
+        if tuple(tensors[key].shape) != shape:
+            raise DataError(f"{weights_path}: {key} is {tuple(tensors[key].shape)}, expected "
+                            f"{shape} (r = {r} in {cfg_path.name}, and this model's layer)")
+    present = lora_layers(model)
+    if present:
+        have = {(path, layer.r) for path, layer in present.items()}
+        if have != {(path, r) for path in paths}:
+            raise DataError(f"{cfg_path}: r = {r}, target_modules {targets} do not match the "
+                            f"model's adapters (r = {sorted({x for _, x in have})} on "
+                            f"{sorted({p.rpartition('.')[2] for p, _ in have})})")
+    else:
+        apply_lora(model, r, alpha, targets, dropout)
+    with torch.no_grad():
+        for path, layer in lora_layers(model).items():
+            layer.unmerge()
+            layer.lora_A.weight.copy_(tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"])
+            layer.lora_B.weight.copy_(tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"])
+            layer.alpha, layer.scale = alpha, alpha / r
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 22, continued. QLoRA: a frozen base in 4-bit NormalFloat (Dettmers et al. 2023)
+# ----------------------------------------------------------------------------------------------
+# NEW in stage 09. LoRA trains small adapters beside a frozen base; QLoRA stores that base in 4
+# bits, so a model that needs 2 bytes a weight in bf16 needs about half a byte. Three pieces:
+# NF4, a 4-bit code whose 16 values sit where a normal distribution's mass is; a scale (absmax)
+# for every 64 weights; and double quantization, which stores those scales in 8 bits. The
+# forward dequantizes the weight to bf16 and multiplies as usual: the adapters, the activations
+# and their gradients stay in bf16, and no gradient ever reaches the 4-bit weight.
+#
+# Legend: n the weights of a tensor, flattened row-major; b = 64 the weights of a block (one
+# absmax each); b2 = 256 the absmaxes of a second-level block (one fp32 scale each).
+
+# ------------------------------------------------------------------------------------------------
+# 22.3 The NF4 code book
+# ------------------------------------------------------------------------------------------------
+# A pretrained weight block is close to normal, so the best 4-bit code for it (each code equally
+# likely) puts the codes at quantiles of N(0, 1), scaled to [-1, 1] by the block's absmax. Plain
+# quantiles of 16 equal bins have no exact 0, and a 0 that stays 0 matters (padding, pruned
+# weights). The paper's construction: 8 quantiles of the upper half, 7 of the lower, and 0,
+#     positive: Phi^-1(p), p = 9 evenly spaced points from 0.5 to 1 - delta, all but the first,
+#     negative: -Phi^-1(p), p = 8 evenly spaced points from 0.5 to 1 - delta, all but the first,
+#     delta = (1/30 + 1/32) / 2 (so that the outer quantile is finite, between the 15- and the
+#     16-bin choice), each divided by Phi^-1(1 - delta) so that the ends are exactly -1 and 1.
+# Sorted, index 7 is the 0. The published table (bitsandbytes' get_4bit_type("nf4"), the
+# constants of its csrc/kernels.cu; the QLoRA paper, appendix E) was made in float32 from the
+# offset 0.9677083 (rounded 1 - delta): it differs from this float64 construction by < 2e-7.
+
+NF4_BLOCK = 64  # weights a block, one absmax each (the paper's and bitsandbytes' default)
+NF4_BLOCK2 = 256  # absmaxes a second-level block, one fp32 scale each (double quantization)
+
+
+def nf4_code_book():
+    """The 16 NF4 values, ascending, float32: -1 = code[0] < ... < code[7] = 0 < ... < code[15]
+    = 1 (22.3's construction, computed in float64)."""
+    delta = (1 / 30 + 1 / 32) / 2
+    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+    upper = normal.icdf(torch.linspace(0.5, 1 - delta, 9, dtype=torch.float64)[1:])  # (8,)
+    lower = -normal.icdf(torch.linspace(0.5, 1 - delta, 8, dtype=torch.float64)[1:])  # (7,)
+    code = torch.cat([lower.flip(0), torch.zeros(1, dtype=torch.float64), upper])  # (16,)
+    return (code / upper[-1]).float()
+
+
+NF4_CODE = nf4_code_book()  # (16,) float32, CPU: moved to the weight's device when used
+
+# ------------------------------------------------------------------------------------------------
+# 22.4 Block quantization and double quantization, in torch
+# ------------------------------------------------------------------------------------------------
+# Each block of 64 weights is divided by its absmax c (fp32) into [-1, 1] and each value goes to
+# its nearest code: its index, 0..15, is the count of midpoints between neighbouring codes that
+# lie below it (a value exactly on a midpoint takes the lower code, as bitsandbytes does).
+# Dequantized, w_hat = code[q] * c, and nearest rounding promises |w / c - code[q]| <= half the
+# gap between the two codes around w / c: 0.5 * 0.304 = 0.152 at the ends (-1 .. -0.696), about
+# 0.04 near 0 (the codes crowd where the weights do).
+#
+# The packed layout: value 2j in the high nibble of byte j, value 2j + 1 in its low nibble
+# (bitsandbytes' order; chapter 20's int4 words put the first column in the low nibble). Worked
+# example: indices 3 12 -> byte 0x3C. A tensor whose n is not a multiple of 64 gets a last
+# block padded with zeros (index 7): n values take ceil(n / 64) * 32 bytes.
+#
+# Double quantization. An fp32 absmax a block costs 32 / 64 = 0.5 bit a weight. The absmaxes
+# are positive and similar, so they are stored as 8-bit codes: their mean m (one fp32 for the
+# whole tensor) is subtracted, and the rest goes, in blocks of 256, to symmetric linear int8:
+#     s2 = max|c - m| / 127 over the 256-block (fp32), q2 = round((c - m) / s2) in -127..127,
+#     c_hat = q2 * s2 + m   (an fp32 product, then an fp32 sum: the kernel does the same two).
+# (bitsandbytes uses its dynamic 8-bit map instead of a linear one: finer near 0, where it
+# hardly matters after the mean is gone.) The absmax error is |c - c_hat| <= s2 / 2, an
+# absolute error; a weight then errs by at most
+#     |w - w_hat| <= c * gap(w / c) / 2 + |code[q]| * s2 / 2   (plus fp32 rounding).
+# The codes are chosen from the exact c, not c_hat (bitsandbytes' order too): a weight's index
+# does not depend on how its scale is stored.
+# Stored bits a weight: 4 (the index) + 8 / 64 (q2) + 32 / (64 * 256) (s2) = 4.127 (the paper's
+# figure), against 4 + 32 / 64 = 4.5 without double quantization; the mean is 32 bits a tensor.
+
+
+@dataclass
+class NF4Tensor:
+    """A float tensor in NF4 (nf4_quantize): `packed` (ceil(n / block) * block / 2,) uint8, two
+    indices a byte, the first in the high nibble; `absmax` (blocks,): fp32, or int8 codes with
+    double quantization, then `absmax_scale` (ceil(blocks / 256),) fp32 and `absmax_mean` () fp32
+    (None without). `shape` the original shape, `dtype` its float dtype."""
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    absmax_scale: torch.Tensor | None
+    absmax_mean: torch.Tensor | None
+    shape: tuple
+    dtype: torch.dtype
+    block: int = NF4_BLOCK
+
+    @property
+    def numel(self):
+        return math.prod(self.shape)
+
+    def nbytes(self):
+        """Bytes stored, every tensor counted (the mean too)."""
+        parts = (self.packed, self.absmax, self.absmax_scale, self.absmax_mean)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def bits_per_weight(self):
+        return 8 * self.nbytes() / self.numel
+
+    def block_absmax(self):
+        """The absmax of every block as the dequantization uses it, (blocks,) fp32: c, or c_hat =
+        q2 * s2 + m (double quantization)."""
+        if self.absmax_scale is None:
+            return self.absmax
+        s2 = self.absmax_scale.repeat_interleave(NF4_BLOCK2)[:self.absmax.numel()]  # (blocks,)
+        return self.absmax.float() * s2 + self.absmax_mean
+
+    def to(self, device):
+        moved = [None if t is None else t.to(device)
+                 for t in (self.packed, self.absmax, self.absmax_scale, self.absmax_mean)]
+        return NF4Tensor(*moved, self.shape, self.dtype, self.block)
+
+
+def nf4_quantize(w, block=NF4_BLOCK, double_quant=True):
+    """w float (any shape) -> NF4Tensor: absmax a block of `block` consecutive values (row-major),
+    each value the index of its nearest code; double_quant: the absmaxes in 8 bits (22.4)."""
+    if not isinstance(w, torch.Tensor) or w.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"nf4_quantize: w must be a float32, float16 or bfloat16 tensor, got "
+                        f"{getattr(w, 'dtype', type(w).__name__)}")
+    if w.numel() == 0 or not torch.isfinite(w).all():
+        raise ValueError("nf4_quantize: w must be non-empty and finite")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
+        raise ValueError(f"nf4_quantize: block must be an even int >= 2 (two values a byte), "
+                         f"got {block!r}")
+    flat = w.detach().reshape(-1).float()
+    n, blocks = flat.numel(), -(-flat.numel() // block)
+    wb = F.pad(flat, (0, blocks * block - n)).view(blocks, block)  # (blocks, b), zero padded
+    absmax = wb.abs().amax(1)  # (blocks,)
+    x = wb / torch.where(absmax > 0, absmax, 1.0)[:, None]  # (blocks, b) in [-1, 1]
+    code = NF4_CODE.to(w.device)
+    q = torch.bucketize(x, (code[1:] + code[:-1]) / 2).to(torch.uint8).view(-1)  # (blocks * b,)
+    packed = (q[0::2] << 4) | q[1::2]  # (blocks * b / 2,): the first value in the high nibble
+    scale = mean = None
+    if double_quant:
+        mean = absmax.mean()
+        centred = F.pad(absmax - mean, (0, -blocks % NF4_BLOCK2)).view(-1, NF4_BLOCK2)
+        amax2 = centred.abs().amax(1)  # (blocks2,)
+        scale = torch.where(amax2 > 0, amax2 / 127, 1.0)
+        absmax = torch.round(centred / scale[:, None]).clamp(-127, 127).view(-1)[:blocks]
+        absmax = absmax.to(torch.int8)
+    return NF4Tensor(packed, absmax, scale, mean, tuple(w.shape), w.dtype, block)
+
+
+def nf4_dequantize(t, dtype=torch.float32):
+    """NF4Tensor -> the tensor code[q] * c_hat, shape t.shape, in `dtype` (rounded from fp32)."""
+    q = torch.stack([t.packed >> 4, t.packed & 0xF], dim=1).view(-1).long()  # (blocks * b,)
+    values = NF4_CODE.to(t.packed.device)[q].view(-1, t.block)  # (blocks, b) fp32
+    w = (values * t.block_absmax()[:, None]).view(-1)[:t.numel]
+    return w.view(t.shape).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# 22.5 The dequantize kernel
+# ------------------------------------------------------------------------------------------------
+# QLoRA's forward dequantizes each weight before its matmul, and its backward again (the input's
+# gradient needs W): the kernel is pure data movement. Per weight it reads 1/2 byte of indices
+# and 1/64 byte of q2 (s2 and m: 4/16384 byte), and writes 2 bytes of bf16: 2.52 bytes a weight,
+# against 4 for a bf16 copy of the same tensor (read 2, write 2). A torch dequantize moves ~10x
+# that (the unpacked int64 indices, the fp32 gather, the fp32 product, the cast: each a full
+# pass). The target on a GPU is the copy's bandwidth: >= 80% of a device-to-device copy's GB/s,
+# measured on the 2.52 bytes.
+# The table lookup is in registers: the 16 codes are loaded once a program as scalars, and an
+# index picks its code through a tree of selects on its 4 bits (15 selects, no memory access,
+# no shared memory). A program takes BLOCK_BYTES bytes, (BLOCK_BYTES, 2) values: column 0 the
+# high nibble, so the store of the tile is contiguous. Its absmax: q2 of the byte's block (one
+# load a 32-byte group, from L1), times s2 of the block's 256-block, plus m.
+
+_NF4_BLOCK_BYTES = 1024  # bytes a program: 2,048 weights, 32 blocks of 64
+
+
+@triton.jit
+def _nf4_lookup(q, CODE):
+    # q (any shape) int32 in 0..15 -> CODE[q] fp32: a select on bit 0, then bit 1, 2 and 3
+    b0, b1, b2, b3 = (q & 1) != 0, (q & 2) != 0, (q & 4) != 0, (q & 8) != 0
+    c01 = tl.where(b0, tl.load(CODE + 1), tl.load(CODE + 0))
+    c23 = tl.where(b0, tl.load(CODE + 3), tl.load(CODE + 2))
+    c45 = tl.where(b0, tl.load(CODE + 5), tl.load(CODE + 4))
+    c67 = tl.where(b0, tl.load(CODE + 7), tl.load(CODE + 6))
+    c89 = tl.where(b0, tl.load(CODE + 9), tl.load(CODE + 8))
+    cab = tl.where(b0, tl.load(CODE + 11), tl.load(CODE + 10))
+    ccd = tl.where(b0, tl.load(CODE + 13), tl.load(CODE + 12))
+    cef = tl.where(b0, tl.load(CODE + 15), tl.load(CODE + 14))
+    c03, c47 = tl.where(b1, c23, c01), tl.where(b1, c67, c45)
+    c8b, ccf = tl.where(b1, cab, c89), tl.where(b1, cef, ccd)
+    return tl.where(b3, tl.where(b2, ccf, c8b), tl.where(b2, c47, c03))
+
+
+@triton.jit
+def _nf4_dequant_kernel(P, A, S2, MEAN, CODE, Y, n, n_bytes, BLOCK: tl.constexpr,
+                        DOUBLE: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    # P (n_bytes,) uint8 packed; A (blocks,) int8 q2 (DOUBLE) or fp32 absmax; S2 (blocks2,) fp32
+    # and MEAN (1,) fp32 (DOUBLE only); CODE (16,) fp32; Y (n,) out, its dtype the output's.
+    j = tl.program_id(0).to(tl.int64) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)  # (BB,) bytes
+    byte = tl.load(P + j, mask=j < n_bytes, other=0).to(tl.int32)
+    blk = j // (BLOCK // 2)  # each byte's block: both its values share it (BLOCK is even)
+    if DOUBLE:
+        q2 = tl.load(A + blk, mask=j < n_bytes, other=0).to(tl.float32)
+        s2 = tl.load(S2 + blk // 256, mask=j < n_bytes, other=0.0)
+        c = q2 * s2
+        c = c + tl.load(MEAN)  # two roundings, as torch's: kept apart, see nf4_dequantize_triton
+    else:
+        c = tl.load(A + blk, mask=j < n_bytes, other=0.0)
+    q = (byte[:, None] >> (4 - 4 * tl.arange(0, 2))[None, :]) & 0xF  # (BB, 2): high, low
+    w = _nf4_lookup(q, CODE) * c[:, None]  # (BB, 2) fp32
+    idx = 2 * j[:, None] + tl.arange(0, 2)[None, :]  # (BB, 2): value 2j, 2j + 1
+    if _INTERPRET and Y.dtype.element_ty == tl.bfloat16:
+        # the interpreter casts fp32 to bf16 by truncation (a GPU rounds to nearest even, as
+        # torch does): round by hand, adding 0x7FFF plus the kept part's last bit, then cut
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        w = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(Y + idx, w.to(Y.dtype.element_ty), mask=idx < n)
+
+
+def nf4_dequantize_triton(t, dtype=torch.bfloat16):
+    """NF4Tensor -> t's tensor in `dtype` on the kernel: the same fp32 operations as
+    nf4_dequantize, so the same values to the bit."""
+    if not isinstance(t, NF4Tensor):
+        raise TypeError(f"nf4_dequantize_triton: expected an NF4Tensor, got {type(t).__name__}")
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"nf4_dequantize_triton: dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+    double = t.absmax_scale is not None
+    _check_tensor("packed", t.packed, dtypes=(torch.uint8,))
+    dev = t.packed.device
+    _check_tensor("absmax", t.absmax, dtypes=(torch.int8,) if double else (torch.float32,),
+                  device=dev)
+    if double:
+        _check_tensor("absmax_scale", t.absmax_scale, dtypes=(torch.float32,), device=dev)
+        _check_tensor("absmax_mean", t.absmax_mean.reshape(1), dtypes=(torch.float32,), device=dev)
+    y = torch.empty(t.shape, dtype=dtype, device=dev)
+    n_bytes = t.packed.numel()
+    dummy = t.absmax  # S2 and MEAN when not DOUBLE: never read
+    grid = (triton.cdiv(n_bytes, _NF4_BLOCK_BYTES),)
+    # enable_fp_fusion=False: a GPU compile would fuse q2 * s2 + m into one FMA (one rounding),
+    # and the values would no longer be torch's (two roundings). The cost is nil: one a byte.
+    options = {} if INTERPRET else {"enable_fp_fusion": False}
+    _nf4_dequant_kernel[grid](t.packed, t.absmax, t.absmax_scale if double else dummy,
+                              t.absmax_mean.reshape(1) if double else dummy,
+                              NF4_CODE.to(dev), y, t.numel, n_bytes, BLOCK=t.block,
+                              DOUBLE=double, BLOCK_BYTES=_NF4_BLOCK_BYTES, num_warps=4, **options)
+    return y
+
+
+def bench_nf4_dequantize(n=1 << 28, device="cuda"):
+    """(GB/s of the kernel on its 2.52 bytes a weight, GB/s of a bf16 device copy), n weights."""
+    t = nf4_quantize(torch.randn(n, device=device, dtype=torch.bfloat16))
+    ms = triton.testing.do_bench(lambda: nf4_dequantize_triton(t))
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms_copy = triton.testing.do_bench(lambda: dst.copy_(src))
+    moved = t.nbytes() + 2 * n  # read what is stored, write bf16
+    return moved / ms / 1e6, 4 * n / ms_copy / 1e6
+
+
+# ------------------------------------------------------------------------------------------------
+# 22.6 The frozen NF4 layer, and a model's base in NF4
+# ------------------------------------------------------------------------------------------------
+# NF4Linear is chapter 20's twin again: the NF4 weight is a set of buffers (never a parameter:
+# nothing can train it), dequantized at every forward into the input's dtype, then F.linear. The
+# bf16 weight lives only while its matmul runs; autograd keeps x for the weight's gradient, which
+# nobody asks for, and the dequantized W for x's gradient, which the adapters need.
+
+class NF4Linear(_QuantizedLinear):
+    """nn.Linear (no bias) with a frozen NF4 weight (nf4_quantize's layout, 22.4)."""
+
+    def __init__(self, weight):
+        if not isinstance(weight, NF4Tensor) or len(weight.shape) != 2:
+            raise TypeError("NF4Linear: weight must be an NF4Tensor of an (N, K) weight")
+        N, K = weight.shape
+        super().__init__(K, N, None)
+        self.shape, self.block, self.dtype = weight.shape, weight.block, weight.dtype
+        self.register_buffer("packed", weight.packed)  # (N * K / 2,) uint8
+        self.register_buffer("absmax", weight.absmax)  # (blocks,) int8 or fp32
+        self.register_buffer("absmax_scale", weight.absmax_scale)  # (blocks2,) fp32, or None
+        self.register_buffer("absmax_mean", weight.absmax_mean)  # () fp32, or None
+
+    @classmethod
+    def from_linear(cls, linear, block=NF4_BLOCK, double_quant=True):
+        return cls(nf4_quantize(_linear_weight(linear), block, double_quant))
+
+    def weight_nf4(self):
+        # the buffers as they are now (.to(device) moved them; .to(dtype) would cast the float
+        # ones, which nf4_dequantize_triton refuses: keep an NF4 model's buffers fp32)
+        return NF4Tensor(self.packed, self.absmax, self.absmax_scale, self.absmax_mean,
+                         self.shape, self.dtype, self.block)
+
+    def forward(self, x):  # x (..., K) -> (..., N), in x's dtype
+        self._rows(x)  # the feature check
+        t = self.weight_nf4()
+        if self.kernels and (x.is_cuda or INTERPRET):
+            w = nf4_dequantize_triton(t, x.dtype)
+        else:
+            w = nf4_dequantize(t, x.dtype)
+        return F.linear(x, w)
+
+    def _stored(self):
+        return nf4_dequantize(self.weight_nf4())
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block={self.block}, double_quant={self.absmax_scale is not None}")
+
+
+def quantize_model_nf4(model, block=NF4_BLOCK, double_quant=True):
+    """Replace every nn.Linear inside the model's blocks by NF4Linear, in place (the embedding,
+    the norms and the output layer stay as they are); the twins take the model's choice of
+    kernels. Returns the model."""
+    build = functools.partial(NF4Linear.from_linear, block=block, double_quant=double_quant)
+    return replace_block_linears(model, build, "quantize_model_nf4")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4684,9 +5318,9 @@ def show_generation(model, tokenizer, args, label):
 
 
 def show_quantization(model, tokenizer, tokens, args):
-    """Chapters 20 and 38 on the model: the kernels checked, the quality table of every method
-    (calibrated on the first 90% of tokens, measured on the rest), GGUF files (the small model
-    only), and --prompt continued by the --method model. A GPTQ or AWQ checkpoint (chapter 39)
+    """Chapters 20, 38 and 22 on the model: the kernels checked, the quality table of every
+    method (calibrated on the first 90% of tokens, measured on the rest), GGUF files and the
+    adapters (the small model only), and --prompt continued by the --method model. A GPTQ or AWQ checkpoint (chapter 39)
     has no float weights to compare: its perplexity, then its generation."""
     device, method = _device_of(model), args.method or "int4"
     context = QUALITY_RUNS[device.type]["context"] if args.model is None else MODEL_CONTEXT
@@ -4716,7 +5350,31 @@ def show_quantization(model, tokenizer, tokens, args):
               f"layers")
     if args.model is None:
         show_gguf(model, tokenizer, args)
+        show_adapters(model, held_out[:, :-1])
     show_generation(quantized, tokenizer, args, METHODS[method])
+
+
+def show_adapters(model, ids, r=8):
+    """Chapter 22 on the model (on copies): LoRA on every linear (B random, as after some
+    training), what it trains, and its merge against the adapters' own forward; the base in NF4
+    (QLoRA's) and its logits against the float model's."""
+    def relative(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    with torch.no_grad():
+        lora = apply_lora(copy.deepcopy(model), r, 2 * r, "all-linear")
+        for layer in lora_layers(lora).values():
+            layer.lora_B.weight.normal_(0.0, 0.02)
+        trained, adapted = trainable_summary(lora), lora(ids)
+        merged = merge_lora(lora)(ids)
+        nf4 = quantize_model_nf4(copy.deepcopy(model))
+        base, reference = nf4(ids), model(ids)
+    bits = next(m for m in nf4.modules() if isinstance(m, NF4Linear)).weight_nf4()
+    print(f"\nLoRA, r = {r} on every linear ({trained}): merged into the weights against the "
+          f"adapters' forward, rel err {relative(merged, adapted):.1e}")
+    print(f"QLoRA's base in NF4 ({bits.bits_per_weight():.3f} bits a weight with double "
+          f"quantization): logits {relative(base, reference):.1e} (relative) from the float "
+          f"model's")
 
 
 def save_gguf(model, tokenizer, args):
